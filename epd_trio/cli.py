@@ -1,0 +1,66 @@
+"""The ``epd-trio`` command: one subcommand per thing an operator runs."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+import trio
+
+from epd_trio.config import EngineConfig, add_config_arguments, config_from_args
+from epd_trio.errors import EPDError
+
+__all__ = ["main"]
+
+
+def _make_tiny_model(args: argparse.Namespace) -> int:
+    from epd_trio.model.tiny import TinySpec, make_tiny_model
+
+    path = make_tiny_model(args.directory, TinySpec(arch=args.arch, seed=args.seed))
+    print(f"wrote a tiny RANDOM-WEIGHT {args.arch} checkpoint to {path}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from epd_trio.demo import run_engine_demo
+
+    print(trio.run(run_engine_demo, config_from_args(EngineConfig, args)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from epd_trio.model.tiny import TINY_ARCHES
+
+    parser = argparse.ArgumentParser(prog="epd-trio", description=__doc__)
+    parser.add_argument("--log-level", default="INFO", help="logging level [env EPD_LOG_LEVEL]")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    tiny = sub.add_parser("make-tiny-model", help="write a tiny random-weight checkpoint")
+    tiny.add_argument("directory")
+    tiny.add_argument("--arch", choices=TINY_ARCHES, default="qwen2_5_vl")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(run=_make_tiny_model)
+
+    demo = sub.add_parser("demo", help="encode sample images through the engine, print a table")
+    add_config_arguments(demo, EngineConfig)
+    demo.set_defaults(run=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import os
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=os.environ.get("EPD_LOG_LEVEL", args.log_level).upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.run(args))
+    except (EPDError, ValueError) as exc:
+        print(f"epd-trio: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

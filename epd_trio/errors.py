@@ -1,0 +1,158 @@
+"""The one error tree of epd_trio; every class knows its HTTP status.
+
+::
+
+    EPDError (500)                     root: anything epd_trio raises on purpose
+    ├── RequestError (400)             the caller sent something we cannot encode
+    │   ├── UnauthorizedError (401)
+    │   ├── UnknownRequestError (404)
+    │   ├── DuplicateRequestError (409)
+    │   └── PayloadTooLargeError (413)
+    ├── OverloadedError (503)          admission refused: queue full
+    │   └── NotReadyError (503)        starting, draining, or the worker is gone
+    ├── DeadlineExceeded (504)         a request's own deadline passed
+    │   └── EncodeTimeout (504)        the receiver gave up waiting for a part
+    ├── TransportError (502)           delivering bytes between processes failed
+    │   ├── TransferTimeout (504)
+    │   ├── PeerUnavailable (503)      the peer is down or unreachable (Broken)
+    │   └── ProtocolError (502)        the peer sent something that breaks the protocol
+    ├── EncodeError (500)              the forward (or an encoder we called) failed
+    ├── WorkerDeadError (503)          the device worker died; its requests fail
+    └── ModelLoadError (500)           the checkpoint cannot be served (start-up)
+
+HTTP status mapping lives here only: ``http_status(exc)``. Anything that is not
+an ``EPDError`` is a bug and maps to 500.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DeadlineExceeded",
+    "DuplicateRequestError",
+    "EPDError",
+    "EncodeError",
+    "EncodeTimeout",
+    "ModelLoadError",
+    "NotReadyError",
+    "OverloadedError",
+    "PayloadTooLargeError",
+    "PeerUnavailable",
+    "ProtocolError",
+    "RequestError",
+    "TransferTimeout",
+    "TransportError",
+    "UnauthorizedError",
+    "UnknownRequestError",
+    "WorkerDeadError",
+    "error_body",
+    "http_status",
+]
+
+
+class EPDError(Exception):
+    """Root of every error epd_trio raises on purpose."""
+
+    status_code: int = 500
+
+    def __init__(self, message: str, *, req_id: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.req_id = req_id
+
+    @property
+    def type_name(self) -> str:
+        return type(self).__name__
+
+
+class RequestError(EPDError):
+    """Bad input: the same request will never succeed."""
+
+    status_code = 400
+
+
+class UnauthorizedError(RequestError):
+    status_code = 401
+
+
+class UnknownRequestError(RequestError):
+    status_code = 404
+
+
+class DuplicateRequestError(RequestError):
+    status_code = 409
+
+
+class PayloadTooLargeError(RequestError):
+    status_code = 413
+
+
+class OverloadedError(EPDError):
+    """Admission refused; retrying later (or elsewhere) may succeed."""
+
+    status_code = 503
+
+
+class NotReadyError(OverloadedError):
+    status_code = 503
+
+
+class DeadlineExceeded(EPDError):
+    status_code = 504
+
+
+class EncodeTimeout(DeadlineExceeded):
+    status_code = 504
+
+
+class TransportError(EPDError):
+    status_code = 502
+
+
+class TransferTimeout(TransportError):
+    status_code = 504
+
+
+class PeerUnavailable(TransportError):
+    status_code = 503
+
+
+class ProtocolError(TransportError):
+    status_code = 502
+
+
+class EncodeError(EPDError):
+    """The forward failed, or a remote encoder reported a failure."""
+
+    status_code = 500
+
+    def __init__(
+        self, message: str, *, req_id: str | None = None, status_code: int | None = None
+    ) -> None:
+        super().__init__(message, req_id=req_id)
+        if status_code is not None:
+            self.status_code = status_code
+
+
+class WorkerDeadError(EPDError):
+    status_code = 503
+
+
+class ModelLoadError(EPDError):
+    status_code = 500
+
+
+def http_status(exc: BaseException) -> int:
+    """The HTTP status for ``exc``; anything unplanned is a bug (500)."""
+    if isinstance(exc, EPDError):
+        return exc.status_code
+    return 500
+
+
+def error_body(exc: BaseException, req_id: str | None = None) -> dict[str, object]:
+    """The JSON error shape of the wire protocol; never a traceback."""
+    if isinstance(exc, EPDError):
+        kind, message = exc.type_name, exc.message
+        req_id = req_id if req_id is not None else exc.req_id
+    else:
+        kind, message = "InternalError", "internal error in the encoder"
+    return {"error": {"type": kind, "message": message}, "req_id": req_id}

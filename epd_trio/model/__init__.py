@@ -1,0 +1,1 @@
+"""Model adapters, encoder-only loading, media and preprocessing, tiny-model maker."""

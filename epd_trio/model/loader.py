@@ -1,0 +1,152 @@
+"""Load only the encoder of a full multimodal checkpoint.
+
+A Qwen2.5-VL-72B checkpoint is ~140 GB, of which the vision tower is ~1.3 GB.
+We read ``config.json``, pick the family's adapter, build the encoder module
+with initialisation skipped, and read from the safetensors files (single or
+sharded) only the tensors under the encoder's key prefix. The language model's
+bytes are never touched: safetensors maps the files and we index only the keys
+we need.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from epd_trio.errors import ModelLoadError
+from epd_trio.model.adapters import ModelAdapter, adapter_for
+from epd_trio.model.tiny import is_tiny_model
+
+__all__ = ["DTYPES", "LoadedEncoder", "encoder_weight_names", "load_encoder", "resolve_dtype"]
+
+log = logging.getLogger(__name__)
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+@dataclass
+class LoadedEncoder:
+    """An encoder module ready for forwards, with what it needs to be fed."""
+
+    adapter: ModelAdapter
+    module: Any  # torch.nn.Module
+    processor: Any  # the checkpoint's Hugging Face image processor
+    model_dir: Path
+    device: str
+    dtype: Any  # torch.dtype
+    random_weights: bool
+
+    @property
+    def family(self) -> str:
+        return self.adapter.family
+
+
+def resolve_dtype(name: str, config: Any) -> Any:
+    """``auto`` is the checkpoint's own dtype (float32 when it names none)."""
+    import torch
+
+    if name not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    if name == "auto":
+        found = getattr(config, "dtype", None) or "float32"
+        return found if isinstance(found, torch.dtype) else getattr(torch, str(found))
+    return getattr(torch, name)
+
+
+def _weight_files(model_dir: Path) -> dict[str, str]:
+    """Map each tensor name to the file holding it (sharded or single-file)."""
+    index = model_dir / INDEX_FILE
+    if index.exists():
+        return dict(json.loads(index.read_text())["weight_map"])
+    single = model_dir / SINGLE_FILE
+    if not single.exists():
+        raise ModelLoadError(f"{model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt") as f:
+        return {name: SINGLE_FILE for name in f.keys()}
+
+
+def encoder_weight_names(adapter: ModelAdapter, weight_map: dict[str, str]) -> dict[str, str]:
+    """Checkpoint names of the encoder's tensors, mapped to module names."""
+    for prefix in adapter.weight_prefixes:
+        names = {k: k[len(prefix):] for k in weight_map if k.startswith(prefix)}
+        if names:
+            return names
+    raise ModelLoadError(
+        f"no encoder weights in the checkpoint: no tensor name starts with any of "
+        f"{adapter.weight_prefixes}"
+    )
+
+
+def _read_tensors(model_dir: Path, wanted: dict[str, str], files: dict[str, str]) -> dict:
+    from safetensors import safe_open
+
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for name in wanted:
+        by_file[files[name]].append(name)
+    state = {}
+    for filename, names in sorted(by_file.items()):
+        with safe_open(model_dir / filename, framework="pt") as f:
+            for name in names:
+                state[wanted[name]] = f.get_tensor(name)
+    return state
+
+
+def _load_config(model_dir: Path) -> Any:
+    if not (model_dir / "config.json").exists():
+        raise ModelLoadError(f"{model_dir} is not a model checkpoint: no config.json")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ModelLoadError(f"cannot read {model_dir}/config.json: {exc}") from exc
+
+
+def _load_processor(model_dir: Path) -> Any:
+    from transformers import AutoImageProcessor
+
+    try:
+        return AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ModelLoadError(f"cannot load the image processor of {model_dir}: {exc}") from exc
+
+
+def load_encoder(model_dir: str | Path, *, device: str = "cpu", dtype: str = "auto") -> LoadedEncoder:
+    """Load the encoder of a local checkpoint; blocking (run it in a thread)."""
+    import torch
+    from transformers.initialization import no_init_weights
+
+    model_dir = Path(model_dir)
+    config = _load_config(model_dir)
+    adapter = adapter_for(config)
+    torch_dtype = resolve_dtype(dtype, config)
+    files = _weight_files(model_dir)
+    wanted = encoder_weight_names(adapter, files)
+    with no_init_weights():
+        module = adapter.build_encoder(torch_dtype)
+    state = _read_tensors(model_dir, wanted, files)
+    state = {k: v.to(torch_dtype) for k, v in state.items()}
+    try:
+        module.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:
+        raise ModelLoadError(f"encoder weights of {model_dir} do not fit the config: {exc}") from exc
+    module.to(device).eval().requires_grad_(False)
+    random = is_tiny_model(model_dir)
+    log.info(
+        "loaded %s encoder from %s: %d tensors, %.1f M params, %s on %s%s",
+        adapter.family, model_dir, len(state), sum(p.numel() for p in module.parameters()) / 1e6,
+        str(torch_dtype).removeprefix("torch."), device,
+        " (RANDOM WEIGHTS: tiny test model)" if random else "",
+    )
+    return LoadedEncoder(
+        adapter=adapter, module=module, processor=_load_processor(model_dir),
+        model_dir=model_dir, device=device, dtype=torch_dtype, random_weights=random,
+    )

@@ -1,0 +1,186 @@
+"""Fetching and decoding media items, with limits checked before expensive work.
+
+An item is a ``data:`` URI, an ``http(s)://`` URL, a local path (only under a
+configured media root), raw bytes, a PIL image, or ``{"url": ..., "content_hash": ...}``.
+Fetching is async (trio + httpx) and bounded in bytes and time; decoding is
+blocking and runs in the preprocessing thread. Every failure is a
+``RequestError`` that names the item's index and the reason.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+from epd_trio.errors import PayloadTooLargeError, RequestError
+
+__all__ = ["MediaLimits", "MediaLoader", "decode_image"]
+
+MediaItem = Any  # str | bytes | PIL.Image.Image | dict
+Loaded = Any  # bytes | PIL.Image.Image
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    """Bounds on what one item may cost before and after decoding."""
+
+    max_item_bytes: int = 64 * 1024 * 1024
+    max_image_pixels: int = 40_000_000  # under PIL's own bomb warning (89 M)
+    fetch_timeout: float = 10.0
+    media_root: Path | None = None
+
+
+def _item_error(index: int, reason: str) -> RequestError:
+    return RequestError(f"item {index}: {reason}")
+
+
+def _url_of(item: MediaItem, index: int) -> MediaItem:
+    if isinstance(item, dict):
+        url = item.get("url")
+        if not isinstance(url, str):
+            raise _item_error(index, "an item object needs a string 'url'")
+        return url
+    return item
+
+
+def decode_data_uri(uri: str, index: int, max_bytes: int) -> bytes:
+    header, sep, payload = uri.partition(",")
+    if not sep or not header.endswith(";base64"):
+        raise _item_error(index, "a data: URI must be base64 (data:<mime>;base64,<data>)")
+    if len(payload) * 3 // 4 > max_bytes:
+        raise PayloadTooLargeError(f"item {index}: data URI is over {max_bytes} bytes")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise _item_error(index, f"undecodable base64 in data: URI ({exc})") from None
+
+
+class MediaLoader:
+    """Turns items into bytes or images; owns the HTTP client used for URLs."""
+
+    def __init__(self, limits: MediaLimits, http: httpx.AsyncClient) -> None:
+        self.limits = limits
+        self._http = http
+
+    async def load(self, items: Sequence[MediaItem]) -> list[Loaded]:
+        """Fetch every item concurrently; the first failure cancels the rest."""
+        if not items:
+            raise RequestError("mm_items is empty")
+        out: list[Loaded] = [None] * len(items)
+
+        async def one(i: int, item: MediaItem) -> None:
+            out[i] = await self._load_one(i, item)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for i, item in enumerate(items):
+                    nursery.start_soon(one, i, item)
+        except* RequestError as group:
+            raise group.exceptions[0] from None
+        return out
+
+    async def _load_one(self, index: int, item: MediaItem) -> Loaded:
+        item = _url_of(item, index)
+        if isinstance(item, (bytes, bytearray, memoryview)):
+            return bytes(item)
+        if not isinstance(item, str):
+            if _is_pil(item):
+                return item
+            raise _item_error(index, f"unsupported item type {type(item).__name__}")
+        if item.startswith("data:"):
+            return decode_data_uri(item, index, self.limits.max_item_bytes)
+        scheme = item.split(":", 1)[0].lower() if "://" in item else ""
+        if scheme in ("http", "https"):
+            return await self._fetch(index, item)
+        if scheme:
+            raise _item_error(index, f"URL scheme {scheme!r} is not allowed (use data:, http, https)")
+        return await self._read_local(index, item)
+
+    async def _fetch(self, index: int, url: str) -> bytes:
+        limit = self.limits.max_item_bytes
+        try:
+            with trio.fail_after(self.limits.fetch_timeout):
+                async with self._http.stream("GET", url) as response:
+                    if response.status_code != 200:
+                        raise _item_error(index, f"fetching {url} gave HTTP {response.status_code}")
+                    chunks, size = [], 0
+                    async for chunk in response.aiter_bytes():
+                        size += len(chunk)
+                        if size > limit:
+                            raise PayloadTooLargeError(f"item {index}: {url} is over {limit} bytes")
+                        chunks.append(chunk)
+                    return b"".join(chunks)
+        except trio.TooSlowError:
+            raise _item_error(index, f"fetching {url} took over {self.limits.fetch_timeout} s") from None
+        except httpx.HTTPError as exc:
+            raise _item_error(index, f"fetching {url} failed: {type(exc).__name__}") from None
+
+    async def _read_local(self, index: int, path: str) -> bytes:
+        root = self.limits.media_root
+        if root is None:
+            raise _item_error(
+                index, "local paths are not allowed (the encoder has no media root); "
+                "send a data: URI or an http(s) URL"
+            )
+        resolved = await trio.Path(root, path).resolve()
+        real_root = await trio.Path(root).resolve()
+        if not resolved.is_relative_to(real_root):
+            raise _item_error(index, "path is outside the media root")
+        try:
+            size = (await resolved.stat()).st_size
+            if size > self.limits.max_item_bytes:
+                raise PayloadTooLargeError(f"item {index}: file is over {self.limits.max_item_bytes} bytes")
+            return await resolved.read_bytes()
+        except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
+            raise _item_error(index, f"cannot read {path}: {type(exc).__name__}") from None
+
+
+def _is_pil(obj: object) -> bool:
+    from PIL import Image
+
+    return isinstance(obj, Image.Image)
+
+
+def decode_image(data: Loaded, index: int, limits: MediaLimits) -> Any:
+    """An RGB PIL image; the pixel cap is checked on the header, before decoding."""
+    from PIL import Image, UnidentifiedImageError
+
+    if _is_pil(data):
+        image = data
+        _check_pixels(image.size, index, limits)
+    else:
+        try:
+            image = Image.open(io.BytesIO(data))
+            _check_pixels(image.size, index, limits)
+            image.load()
+        except UnidentifiedImageError:
+            raise _item_error(index, "bytes are not an image in a known format") from None
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+            raise _item_error(index, "image is a decompression bomb") from None
+        except (OSError, SyntaxError, ValueError, EOFError) as exc:
+            raise _item_error(index, f"image cannot be decoded ({exc})") from None
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def _check_pixels(size: tuple[int, int], index: int, limits: MediaLimits) -> None:
+    width, height = size
+    if width <= 0 or height <= 0:
+        raise _item_error(index, f"image is empty ({width}x{height})")
+    if width * height > limits.max_image_pixels:
+        raise PayloadTooLargeError(
+            f"item {index}: image is {width}x{height} = {width * height} pixels, over the cap of "
+            f"{limits.max_image_pixels}"
+        )
+
+
+def media_root_from(value: str | os.PathLike[str] | None) -> Path | None:
+    return Path(value) if value else None

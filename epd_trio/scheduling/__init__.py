@@ -1,0 +1,1 @@
+"""Batching policy (pure), the scheduler loop and the device worker thread."""

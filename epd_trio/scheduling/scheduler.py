@@ -1,0 +1,235 @@
+"""The scheduler loop: admission, a bounded memory channel, and the GPU thread.
+
+Callers are admitted against ``max_pending`` (a refusal is immediate: 503),
+preprocess, then hand a ``Job`` over a memory channel to one loop task. The
+loop asks the pure policy what to run and runs it in the device's worker thread
+through ``trio.to_thread.run_sync(..., limiter=CapacityLimiter(1))``.
+
+A caller that leaves (cancelled) marks its job abandoned: a queued job is
+dropped before the forward, a running job's share is dropped when the batch
+returns; other jobs in the batch are unaffected. A failed batch is retried one
+request at a time so one bad input fails alone. When the loop stops, every
+job still waiting gets ``NotReadyError``: no caller is left hanging.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import outcome
+import trio
+
+from epd_trio.errors import EncodeError, EPDError, NotReadyError, OverloadedError
+from epd_trio.model.adapters import PreprocessResult
+from epd_trio.scheduling.policy import Batch, BatchPolicy, QueuedRequest, Wait, next_batch
+
+__all__ = ["Forward", "Job", "Scheduler", "SchedulerStatistics"]
+
+log = logging.getLogger(__name__)
+
+Forward = Callable[[Sequence[PreprocessResult]], list[Any]]
+
+# Requests that skip admission (health probes) need channel room of their own.
+_BYPASS_HEADROOM = 8
+
+
+@dataclass(eq=False)
+class Job:
+    key: int
+    payload: PreprocessResult
+    enqueued_at: float
+    done: trio.Event = field(default_factory=trio.Event)
+    result: outcome.Outcome | None = None
+    abandoned: bool = False
+
+    def view(self) -> QueuedRequest:
+        return QueuedRequest(self.key, self.payload.modality, self.payload.tokens, self.enqueued_at)
+
+    def finish(self, result: outcome.Outcome) -> None:
+        self.result = result
+        self.done.set()
+
+
+@dataclass(frozen=True)
+class SchedulerStatistics:
+    admitted: int
+    queued: int
+    running: int
+    requests_done: int
+    requests_failed: int
+    requests_dropped: int
+    batches_run: int
+    batches_retried: int
+
+
+class Scheduler:
+    """Owns the queue between callers and one device's worker thread."""
+
+    def __init__(
+        self, forward: Forward, policy: BatchPolicy, *, max_pending: int = 256,
+        device_limiter: trio.CapacityLimiter | None = None,
+    ) -> None:
+        if max_pending < 1:
+            raise ValueError("max_pending must be at least 1")
+        self._forward = forward
+        self.policy = policy
+        self.max_pending = max_pending
+        self._limiter = device_limiter or trio.CapacityLimiter(1)
+        # Sized so that send_nowait never blocks: admission already bounds
+        # how many jobs can exist (backpressure happens there, as a 503).
+        self._send, self._recv = trio.open_memory_channel[Job](max_pending + _BYPASS_HEADROOM)
+        self._keys = itertools.count()
+        self._queue: dict[int, Job] = {}
+        self._inflight: list[Job] = []
+        self._admitted = self._running = 0
+        self._done = self._failed = self._dropped = self._batches = self._retried = 0
+
+    # ---- caller side ------------------------------------------------------
+    @contextmanager
+    def admit(self, *, bypass: bool = False) -> Iterator[None]:
+        """Hold an admission slot for a request's whole stay; refuse at once when full."""
+        if not bypass and self._admitted >= self.max_pending:
+            raise OverloadedError(f"encoder queue is full ({self.max_pending} pending requests)")
+        self._admitted += 1
+        try:
+            yield
+        finally:
+            self._admitted -= 1
+
+    async def submit(self, payload: PreprocessResult) -> Any:
+        """Queue a preprocessed request and wait for its share of a forward."""
+        job = Job(next(self._keys), payload, trio.current_time())
+        try:
+            self._send.send_nowait(job)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise NotReadyError("the scheduler has stopped") from None
+        except trio.WouldBlock:  # only if admission was bypassed en masse
+            raise OverloadedError("encoder queue is full") from None
+        try:
+            await job.done.wait()
+        finally:
+            if not job.done.is_set():
+                job.abandoned = True
+        assert job.result is not None
+        return job.result.unwrap()
+
+    def statistics(self) -> SchedulerStatistics:
+        return SchedulerStatistics(
+            admitted=self._admitted,
+            queued=len(self._queue) + self._recv.statistics().current_buffer_used,
+            running=self._running, requests_done=self._done, requests_failed=self._failed,
+            requests_dropped=self._dropped, batches_run=self._batches,
+            batches_retried=self._retried,
+        )
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        return (f"<Scheduler {s.admitted} admitted, {s.queued} queued, {s.running} running, "
+                f"{s.batches_run} batches>")
+
+    # ---- the loop ---------------------------------------------------------
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        try:
+            while True:
+                decision = await self._next_decision()
+                if isinstance(decision, Batch):
+                    await self._run_batch([self._queue.pop(k) for k in decision.keys])
+        finally:
+            self._fail_all_waiting()
+
+    async def _next_decision(self) -> Batch | None:
+        if not self._queue:
+            self._enqueue(await self._recv.receive())
+        self._drain_channel()
+        decision = next_batch([j.view() for j in self._queue.values()], trio.current_time(), self.policy)
+        if isinstance(decision, Wait):
+            with trio.move_on_at(decision.until):
+                self._enqueue(await self._recv.receive())
+            return None
+        return decision
+
+    def _enqueue(self, job: Job) -> None:
+        self._queue[job.key] = job
+
+    def _drain_channel(self) -> None:
+        while True:
+            try:
+                self._enqueue(self._recv.receive_nowait())
+            except trio.WouldBlock:
+                break
+        for key in [k for k, j in self._queue.items() if j.abandoned]:
+            del self._queue[key]
+            self._dropped += 1
+
+    async def _run_batch(self, jobs: list[Job]) -> None:
+        live = [j for j in jobs if not j.abandoned]
+        self._dropped += len(jobs) - len(live)
+        if not live:
+            return
+        self._running, self._inflight = len(live), live
+        try:
+            outputs = await self._call_forward(live)
+        except Exception as exc:  # noqa: BLE001 - any forward failure is per-request below
+            if len(live) == 1:
+                self._deliver(live[0], outcome.Error(_as_encode_error(exc)))
+            else:
+                log.warning("batch of %d failed (%r); retrying one request at a time", len(live), exc)
+                self._retried += 1
+                await self._run_singly(live)
+        else:
+            for job, out in zip(live, outputs, strict=True):
+                self._deliver(job, outcome.Value(out))
+        # Not in a finally: if the loop is cancelled mid-forward, the run()
+        # finally must still see these jobs to fail them.
+        self._running, self._inflight = 0, []
+
+    async def _run_singly(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            if job.abandoned:
+                self._dropped += 1
+                continue
+            try:
+                (out,) = await self._call_forward([job])
+            except Exception as exc:  # noqa: BLE001
+                self._deliver(job, outcome.Error(_as_encode_error(exc)))
+            else:
+                self._deliver(job, outcome.Value(out))
+
+    async def _call_forward(self, jobs: list[Job]) -> list[Any]:
+        self._batches += 1
+        payloads = [j.payload for j in jobs]
+        # Not abandon_on_cancel: a running forward cannot be interrupted, and
+        # its thread must finish before the model may be torn down.
+        return await trio.to_thread.run_sync(self._forward, payloads, limiter=self._limiter)
+
+    def _deliver(self, job: Job, result: outcome.Outcome) -> None:
+        if job.abandoned:
+            self._dropped += 1
+            return
+        if isinstance(result, outcome.Error):
+            self._failed += 1
+        else:
+            self._done += 1
+        job.finish(result)
+
+    def _fail_all_waiting(self) -> None:
+        self._drain_channel()
+        self._recv.close()  # later submits fail at once with NotReadyError
+        for job in [*self._inflight, *self._queue.values()]:
+            if not job.done.is_set():
+                job.finish(outcome.Error(NotReadyError("the encoder is shutting down")))
+        self._queue.clear()
+        self._running, self._inflight = 0, []
+
+
+def _as_encode_error(exc: BaseException) -> EPDError:
+    if isinstance(exc, EPDError):
+        return exc
+    log.error("forward failed", exc_info=exc)
+    return EncodeError(f"the encoder's forward failed: {type(exc).__name__}: {exc}")

@@ -1,0 +1,46 @@
+"""Shared fixtures: generated checkpoints (never downloaded) and media helpers."""
+
+from __future__ import annotations
+
+import io
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from epd_trio.model.tiny import TinySpec, make_tiny_model
+
+# Dimensions deliberately unlike the embedded default (TinySpec()).
+TEST_SPECS = {
+    "qwen2_5_vl": TinySpec(arch="qwen2_5_vl", vision_hidden=48, vision_depth=3, vision_heads=4,
+                           out_hidden=40, seed=7),
+    "qwen2_vl": TinySpec(arch="qwen2_vl", vision_hidden=48, vision_depth=3, vision_heads=4,
+                         out_hidden=40, seed=11),
+}
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """One generated full-model checkpoint per family."""
+    root = tmp_path_factory.mktemp("ckpt")
+    return {arch: str(make_tiny_model(root / arch, spec)) for arch, spec in TEST_SPECS.items()}
+
+
+@pytest.fixture(scope="session")
+def qwen25_path(checkpoints: dict[str, str]) -> str:
+    return checkpoints["qwen2_5_vl"]
+
+
+def random_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).convert(mode)
+
+
+def png_bytes(width: int, height: int, seed: int = 0) -> bytes:
+    buf = io.BytesIO()
+    random_image(width, height, seed).save(buf, format="PNG")
+    return buf.getvalue()

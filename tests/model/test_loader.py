@@ -1,0 +1,121 @@
+"""Encoder-only loading: the right weights, never the language model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from epd_trio import ModelLoadError, TinySpec, make_tiny_model
+from epd_trio.model.loader import load_encoder, resolve_dtype
+
+
+def _full_model(path: str):
+    return transformers.AutoModelForImageTextToText.from_pretrained(path)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl"])
+def test_loads_exactly_the_vision_tower(checkpoints: dict[str, str], arch: str) -> None:
+    enc = load_encoder(checkpoints[arch])
+    full = _full_model(checkpoints[arch])
+    vision = full.model.visual
+    assert sum(p.numel() for p in enc.module.parameters()) == sum(p.numel() for p in vision.parameters())
+    ours, theirs = enc.module.state_dict(), vision.state_dict()
+    assert ours.keys() == theirs.keys()
+    for key in theirs:
+        assert torch.equal(ours[key], theirs[key]), key
+    assert enc.family == arch and not enc.module.training
+
+
+def test_sharded_checkpoint(tmp_path: Path, qwen25_path: str) -> None:
+    full = _full_model(qwen25_path)
+    full.save_pretrained(tmp_path, max_shard_size="100KB")
+    transformers.AutoImageProcessor.from_pretrained(qwen25_path).save_pretrained(tmp_path)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1, "checkpoint was not sharded"
+    enc = load_encoder(tmp_path)
+    for key, value in full.model.visual.state_dict().items():
+        assert torch.equal(enc.module.state_dict()[key], value)
+
+
+def test_dtypes(qwen25_path: str) -> None:
+    assert load_encoder(qwen25_path, dtype="bfloat16").module.dtype == torch.bfloat16
+    assert load_encoder(qwen25_path, dtype="auto").module.dtype == torch.float32
+    with pytest.raises(ModelLoadError, match="bfloat16"):
+        resolve_dtype("int8", None)
+
+
+def test_auto_dtype_is_the_checkpoints(tmp_path: Path) -> None:
+    path = make_tiny_model(tmp_path, TinySpec(dtype="bfloat16"))
+    assert load_encoder(path).module.dtype == torch.bfloat16
+
+
+def test_unknown_family_names_the_supported(tmp_path: Path) -> None:
+    config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, vocab_size=32)
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match=r"'llama'.*qwen2_5_vl.*qwen2_vl"):
+        load_encoder(tmp_path)
+
+
+def test_not_a_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_encoder(tmp_path)
+
+
+def test_missing_weights(tmp_path: Path, qwen25_path: str) -> None:
+    (tmp_path / "config.json").write_text(Path(qwen25_path, "config.json").read_text())
+    with pytest.raises(ModelLoadError, match="model.safetensors"):
+        load_encoder(tmp_path)
+
+
+PEAK_SCRIPT = textwrap.dedent("""
+    import sys, json
+    import torch, transformers
+    from epd_trio.model.loader import load_encoder
+
+    def full(path):
+        return transformers.AutoModelForImageTextToText.from_pretrained(path)
+
+    def peak_kib():
+        # VmHWM belongs to this process image (ru_maxrss would inherit the parent's peak).
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+
+    load = load_encoder if sys.argv[1] == "encoder" else full
+    load(sys.argv[2])  # warm-up on a small checkpoint: imports are not the loader's cost
+    before = peak_kib()
+    module = load(sys.argv[3])
+    module = getattr(module, "module", module)
+    # Touch every parameter, so lazily mapped weights count as they would in a forward.
+    with torch.no_grad():
+        total = sum(float(p.float().sum()) for p in module.parameters())
+    after = peak_kib()
+    print(json.dumps({"peak_kib": after - before}))
+""")
+
+
+def _peak_bytes(kind: str, warm: str, path: Path) -> int:
+    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, kind, warm, str(path)],
+                         capture_output=True, text=True, check=True, timeout=300)
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak_kib"] * 1024
+
+
+@pytest.mark.slow
+def test_peak_memory_far_under_the_full_model(tmp_path: Path, qwen25_path: str) -> None:
+    # A language model of ~400 MB beside a vision tower of well under 1 MB.
+    spec = TinySpec(out_hidden=1024, text_layers=6, text_intermediate=4096, vocab_size=8192)
+    path = make_tiny_model(tmp_path / "big-lm", spec)
+    lm_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    assert lm_bytes > 300e6
+    full = _peak_bytes("full", qwen25_path, path)
+    ours = _peak_bytes("encoder", qwen25_path, path)
+    assert full > lm_bytes / 2, f"the measurement does not see a full model's weights ({full}, {ours})"
+    assert ours < lm_bytes / 20, f"loading the encoder grew the peak RSS by {ours / 1e6:.0f} MB"

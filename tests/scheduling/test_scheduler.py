@@ -1,0 +1,223 @@
+"""The scheduler loop with a scripted fake forward (no model)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import pytest
+import torch
+import trio
+import trio.testing
+
+from epd_trio.errors import EncodeError, NotReadyError, OverloadedError
+from epd_trio.model.adapters import PreprocessResult
+from epd_trio.scheduling.policy import BatchPolicy
+from epd_trio.scheduling.scheduler import Scheduler
+
+
+def payload(value: float, tokens: int = 2, modality: str = "image", poison: bool = False) -> PreprocessResult:
+    inputs = {"x": torch.full((tokens, 3), value)}
+    if poison:
+        inputs["poison"] = torch.ones(1)
+    return PreprocessResult(modality, inputs, ((1, 2, tokens),), (tokens,))
+
+
+class FakeForward:
+    """Doubles its inputs; can be held mid-forward and poisoned."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[float]] = []
+        self.hold = threading.Event()  # cleared: forwards wait until set (or one step)
+        self.hold.set()
+        self.step = threading.Event()  # set: exactly one held forward may go on
+        self.entered = threading.Event()
+
+    def __call__(self, payloads: Sequence[PreprocessResult]) -> list[torch.Tensor]:
+        self.batches.append([float(p.inputs["x"][0, 0]) for p in payloads])
+        self.entered.set()
+        while not self.hold.wait(timeout=0.001):
+            if self.step.is_set():
+                self.step.clear()
+                break
+        if any("poison" in p.inputs for p in payloads):
+            raise RuntimeError("poisoned input")
+        return [p.inputs["x"] * 2 for p in payloads]
+
+
+async def started(policy: BatchPolicy = BatchPolicy(max_batch_size=4), **kw) -> tuple[Scheduler, FakeForward]:
+    fake = FakeForward()
+    return Scheduler(fake, policy, **kw), fake
+
+
+async def encode(s: Scheduler, p: PreprocessResult) -> torch.Tensor:
+    with s.admit():
+        return await s.submit(p)
+
+
+async def wait_entered(fake: FakeForward) -> None:
+    while not fake.entered.is_set():
+        await trio.sleep(0.001)
+    fake.entered.clear()
+
+
+async def test_batches_what_queued_during_a_forward(nursery: trio.Nursery) -> None:
+    s, fake = await started()
+    await nursery.start(s.run)
+    fake.hold.clear()
+    results: dict[float, torch.Tensor] = {}
+
+    async def call(v: float) -> None:
+        results[v] = await encode(s, payload(v))
+
+    nursery.start_soon(call, 0.0)
+    await wait_entered(fake)  # the first forward is running
+    async with trio.open_nursery() as inner:
+        for v in (1.0, 2.0, 3.0, 4.0, 5.0):
+            inner.start_soon(call, v)
+        await trio.testing.wait_all_tasks_blocked()
+        fake.hold.set()
+    # trio starts tasks in no promised order: check sizes and membership
+    assert [len(b) for b in fake.batches] == [1, 4, 1]
+    assert sorted(v for b in fake.batches for v in b) == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert all(torch.equal(results[v], torch.full((2, 3), v * 2)) for v in results)
+    stats = s.statistics()
+    assert (stats.requests_done, stats.batches_run, stats.admitted, stats.queued) == (6, 3, 0, 0)
+
+
+async def test_coalesce_delay_is_exact(autojump_clock: trio.testing.MockClock, nursery: trio.Nursery) -> None:
+    s, fake = await started(BatchPolicy(max_batch_size=4, coalesce_delay=1.5))
+    await nursery.start(s.run)
+    t0 = trio.current_time()
+    async with trio.open_nursery() as inner:
+        inner.start_soon(encode, s, payload(1.0))
+        await trio.sleep(1.0)
+        inner.start_soon(encode, s, payload(2.0))
+    assert trio.current_time() - t0 == 1.5
+    assert fake.batches == [[1.0, 2.0]]
+
+
+async def test_cancelled_waiting_caller_is_dropped_before_the_forward(nursery: trio.Nursery) -> None:
+    s, fake = await started()
+    await nursery.start(s.run)
+    fake.hold.clear()
+    nursery.start_soon(encode, s, payload(0.0))
+    await wait_entered(fake)
+    with trio.move_on_after(0.05) as scope:
+        await encode(s, payload(1.0))
+    assert scope.cancelled_caught
+    assert s.statistics().admitted == 1  # only the running one holds a slot now
+    fake.hold.set()
+    out = await encode(s, payload(2.0))
+    assert torch.equal(out, torch.full((2, 3), 4.0))
+    assert fake.batches == [[0.0], [2.0]]
+    assert s.statistics().requests_dropped == 1
+
+
+async def test_cancelled_running_caller_leaves_batch_mates_intact(nursery: trio.Nursery) -> None:
+    s, fake = await started()
+    await nursery.start(s.run)
+    fake.hold.clear()
+    nursery.start_soon(encode, s, payload(0.0))
+    await wait_entered(fake)
+    got: dict[str, torch.Tensor] = {}
+    cancel_me = trio.CancelScope()
+
+    async def victim() -> None:
+        with cancel_me:
+            await encode(s, payload(1.0))
+
+    async def mate() -> None:
+        got["mate"] = await encode(s, payload(2.0))
+
+    async with trio.open_nursery() as inner:
+        inner.start_soon(victim)
+        inner.start_soon(mate)
+        await trio.testing.wait_all_tasks_blocked()
+        fake.hold.clear()
+        fake.step.set()  # only the first batch may finish; [1, 2] starts and is held
+        await wait_entered(fake)
+        cancel_me.cancel()  # while [1, 2] runs
+        await trio.testing.wait_all_tasks_blocked()
+        fake.hold.set()
+    assert fake.batches[0] == [0.0] and sorted(fake.batches[1]) == [1.0, 2.0]
+    assert torch.equal(got["mate"], torch.full((2, 3), 4.0))
+    stats = s.statistics()
+    assert (stats.requests_dropped, stats.requests_done, stats.admitted) == (1, 2, 0)
+
+
+async def test_full_queue_refuses_at_once(autojump_clock: trio.testing.MockClock) -> None:
+    s, _ = await started(max_pending=2)
+    with s.admit(), s.admit():
+        t0 = trio.current_time()
+        with pytest.raises(OverloadedError, match="full"):
+            with s.admit():
+                pass
+        assert trio.current_time() == t0
+        with s.admit(bypass=True):  # health probes are not counted against the bound
+            assert s.statistics().admitted == 3
+    assert s.statistics().admitted == 0
+
+
+async def test_poisoned_item_fails_alone(nursery: trio.Nursery) -> None:
+    s, fake = await started()
+    await nursery.start(s.run)
+    fake.hold.clear()
+    nursery.start_soon(encode, s, payload(0.0))
+    await wait_entered(fake)
+    results: dict[float, object] = {}
+
+    async def call(v: float, poison: bool = False) -> None:
+        try:
+            results[v] = await encode(s, payload(v, poison=poison))
+        except EncodeError as exc:
+            results[v] = exc
+
+    async with trio.open_nursery() as inner:
+        inner.start_soon(call, 1.0)
+        inner.start_soon(call, 2.0, True)
+        inner.start_soon(call, 3.0)
+        await trio.testing.wait_all_tasks_blocked()
+        fake.hold.set()
+    batch = fake.batches[1]
+    assert sorted(batch) == [1.0, 2.0, 3.0]
+    assert fake.batches == [[0.0], batch, *([v] for v in batch)]  # retried one at a time
+    assert torch.equal(results[1.0], torch.full((2, 3), 2.0))  # type: ignore[arg-type]
+    assert torch.equal(results[3.0], torch.full((2, 3), 6.0))  # type: ignore[arg-type]
+    assert isinstance(results[2.0], EncodeError) and "poisoned input" in str(results[2.0])
+    stats = s.statistics()
+    assert (stats.requests_failed, stats.batches_retried) == (1, 1)
+
+
+async def test_stopping_fails_every_waiter() -> None:
+    s, fake = await started()
+    fake.hold.clear()
+    outcomes: dict[float, object] = {}
+
+    async def call(v: float) -> None:
+        try:
+            outcomes[v] = await encode(s, payload(v))
+        except NotReadyError as exc:
+            outcomes[v] = exc
+
+    async with trio.open_nursery() as outer:
+        loop_scope = trio.CancelScope()
+
+        async def loop() -> None:
+            with loop_scope:
+                await s.run()
+
+        outer.start_soon(loop)
+        outer.start_soon(call, 0.0)
+        await wait_entered(fake)
+        outer.start_soon(call, 1.0)  # queued behind the running forward
+        await trio.testing.wait_all_tasks_blocked()
+        loop_scope.cancel()
+        fake.hold.set()
+    # the running forward cannot be interrupted: it finishes and delivers;
+    # the queued request fails at once instead of hanging.
+    assert torch.equal(outcomes[0.0], torch.full((2, 3), 0.0))  # type: ignore[arg-type]
+    assert isinstance(outcomes[1.0], NotReadyError)
+    with pytest.raises(NotReadyError):
+        await encode(s, payload(2.0))
+    assert s.statistics().admitted == 0
