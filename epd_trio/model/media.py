@@ -13,6 +13,7 @@ import base64
 import binascii
 import io
 import os
+from contextlib import aclosing
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,11 +114,12 @@ class MediaLoader:
                     if response.status_code != 200:
                         raise _item_error(index, f"fetching {url} gave HTTP {response.status_code}")
                     chunks, size = [], 0
-                    async for chunk in response.aiter_bytes():
-                        size += len(chunk)
-                        if size > limit:
-                            raise PayloadTooLargeError(f"item {index}: {url} is over {limit} bytes")
-                        chunks.append(chunk)
+                    async with aclosing(response.aiter_bytes()) as body:
+                        async for chunk in body:
+                            size += len(chunk)
+                            if size > limit:
+                                raise PayloadTooLargeError(f"item {index}: {url} is over {limit} bytes")
+                            chunks.append(chunk)
                     return b"".join(chunks)
         except trio.TooSlowError:
             raise _item_error(index, f"fetching {url} took over {self.limits.fetch_timeout} s") from None
@@ -165,7 +167,9 @@ def decode_image(data: Loaded, index: int, limits: MediaLimits) -> Any:
         except UnidentifiedImageError:
             raise _item_error(index, "bytes are not an image in a known format") from None
         except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-            raise _item_error(index, "image is a decompression bomb") from None
+            raise PayloadTooLargeError(
+                f"item {index}: image is a decompression bomb (its header claims too many pixels)"
+            ) from None
         except (OSError, SyntaxError, ValueError, EOFError) as exc:
             raise _item_error(index, f"image cannot be decoded ({exc})") from None
     return image if image.mode == "RGB" else image.convert("RGB")

@@ -1,0 +1,31 @@
+"""The epd-trio command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from epd_trio.cli import main
+from epd_trio.model.tiny import is_tiny_model
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl"])
+def test_make_tiny_model(tmp_path: Path, arch: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["make-tiny-model", str(tmp_path / arch), "--arch", arch]) == 0
+    assert is_tiny_model(tmp_path / arch)
+    assert (tmp_path / arch / "preprocessor_config.json").exists()
+    assert f'"model_type": "{arch}"' in (tmp_path / arch / "config.json").read_text()
+    assert "RANDOM" in capsys.readouterr().out
+
+
+def test_demo_prints_a_table(qwen25_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--model-path", qwen25_path, "--max-batch-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "1024x768" in out and "grid_thw" in out and "tokens" in out
+    assert "RANDOM tiny weights" in out
+
+
+def test_bad_flag_value_is_a_clean_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--model-path", "/nonexistent/model"]) == 2
+    assert "no config.json" in capsys.readouterr().err

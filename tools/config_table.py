@@ -1,0 +1,32 @@
+"""Print the README's configuration table from the config dataclasses.
+
+`python tools/config_table.py` — tests check that README.md contains its output,
+so the documented flags can never drift from the code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from epd_trio.config import EngineConfig, env_name, flag_name
+
+COMPONENTS = (EngineConfig,)
+
+
+def table(cls: type) -> str:
+    rows = [f"**{cls.__name__}** — {cls.__doc__.strip()}", "",
+            "| flag | environment | default | meaning |", "|---|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        rows.append(f"| `{flag_name(f.name)}` | `{env_name(f.name)}` | `{f.default!r}` | "
+                    f"{f.metadata['help']} |")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    print("\n\n".join(table(cls) for cls in COMPONENTS))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
