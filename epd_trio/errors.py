@@ -16,6 +16,7 @@
     │   ├── TransferTimeout (504)
     │   ├── PeerUnavailable (503)      the peer is down or unreachable (Broken)
     │   └── ProtocolError (502)        the peer sent something that breaks the protocol
+    ├── AbortedError (499)             cancelled by /abort or by its client leaving
     ├── EncodeError (500)              the forward (or an encoder we called) failed
     ├── WorkerDeadError (503)          the device worker died; its requests fail
     └── ModelLoadError (500)           the checkpoint cannot be served (start-up)
@@ -27,6 +28,7 @@ an ``EPDError`` is a bug and maps to 500.
 from __future__ import annotations
 
 __all__ = [
+    "AbortedError",
     "DeadlineExceeded",
     "DuplicateRequestError",
     "EPDError",
@@ -118,6 +120,12 @@ class PeerUnavailable(TransportError):
 
 class ProtocolError(TransportError):
     status_code = 502
+
+
+class AbortedError(EPDError):
+    """The request was cancelled on purpose (``/abort``, client disconnect)."""
+
+    status_code = 499  # "client closed request": nobody is waiting for a real answer
 
 
 class EncodeError(EPDError):

@@ -1,0 +1,276 @@
+"""Bytes <-> messages: the msgpack ZMQ framing and the inline safetensors body.
+
+Sans-IO. Decoding validates every header field before anything is sized from
+it, never unpickles, and turns any malformed input into ``ProtocolError``.
+Encoding avoids copies: frame 1 is a view of the tensor's own memory, and
+decoding wraps the received frame with ``torch.frombuffer``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, Final, cast
+
+import msgpack
+import safetensors
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+import torch
+
+from epd_trio.errors import ProtocolError, error_body, http_status
+from epd_trio.protocol.messages import (
+    DTYPES,
+    MAX_ERROR_MESSAGE,
+    Dtype,
+    EmbeddingHeader,
+    ErrorInfo,
+    header_from_map,
+    header_to_map,
+)
+
+__all__ = [
+    "FrameLike",
+    "MAX_HEADER_BYTES",
+    "TORCH_DTYPES",
+    "decode_safetensors",
+    "decode_zmq_message",
+    "dtype_name",
+    "encode_safetensors",
+    "encode_zmq_message",
+    "error_message",
+    "header_for",
+    "tensor_bytes",
+]
+
+FrameLike = bytes | bytearray | memoryview
+"""A frame's bytes; a received ``zmq.Frame`` is passed as its ``.buffer``."""
+
+TORCH_DTYPES: Final[Mapping[str, torch.dtype]] = MappingProxyType(
+    {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+)
+_ST_DTYPES: Final[Mapping[str, str]] = MappingProxyType(
+    {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+)
+# A real header is a few hundred bytes (a long video adds ~20 bytes per item).
+MAX_HEADER_BYTES: Final = 1 << 20
+_UNPACK_LIMITS: Final[Mapping[str, int]] = MappingProxyType(
+    dict(max_str_len=MAX_HEADER_BYTES, max_bin_len=0, max_array_len=1 << 16, max_map_len=32,
+         max_ext_len=0)
+)
+_ST_META_KEYS: Final = ("req_id", "part_idx", "num_parts", "modality", "token_counts", "grid_thw")
+_ST_JSON_KEYS: Final = frozenset({"part_idx", "num_parts", "token_counts", "grid_thw"})
+
+
+def dtype_name(dtype: torch.dtype) -> Dtype:
+    """The wire name of a torch dtype; only the three embedding dtypes exist."""
+    for name, candidate in TORCH_DTYPES.items():
+        if candidate == dtype:
+            return name  # type: ignore[return-value]
+    raise ValueError(f"unsupported embedding dtype {dtype}; use one of {list(DTYPES)}")
+
+
+def header_for(
+    tensor: torch.Tensor,
+    *,
+    req_id: str,
+    part_idx: int,
+    num_parts: int,
+    modality: str,
+    token_counts: Sequence[int],
+    grid_thw: Sequence[Sequence[int]] = (),
+) -> EmbeddingHeader:
+    """The header describing ``tensor``, so dtype and shape can't disagree with it."""
+    if tensor.dim() != 2:
+        raise ValueError(f"an embedding is [tokens, dim], got shape {tuple(tensor.shape)}")
+    return EmbeddingHeader(
+        req_id=req_id,
+        part_idx=part_idx,
+        num_parts=num_parts,
+        modality=modality,
+        dtype=dtype_name(tensor.dtype),
+        shape=(tensor.shape[0], tensor.shape[1]),
+        token_counts=list(token_counts),
+        grid_thw=[list(g) for g in grid_thw],
+    )
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A flat byte view of ``tensor``'s memory (copied only if not contiguous CPU).
+
+    Viewing as uint8 sidesteps bfloat16 having no numpy dtype. The memoryview
+    keeps the tensor alive; its bytes must not change until the send is done.
+    """
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().data
+
+
+def encode_zmq_message(header: EmbeddingHeader, tensor: torch.Tensor | None) -> list[FrameLike]:
+    """Frames for ``send_multipart``: [msgpack header] or [header, tensor bytes]."""
+    head = msgpack.packb(header_to_map(header), use_bin_type=True)
+    if header.kind == "error":
+        if tensor is not None:
+            raise ValueError("an error message carries no tensor")
+        return [head]
+    if tensor is None:
+        raise ValueError("an embedding message needs its tensor")
+    if tensor.dtype != TORCH_DTYPES[header.dtype] or tuple(tensor.shape) != header.shape:
+        raise ValueError(
+            f"tensor {tensor.dtype} {tuple(tensor.shape)} does not match the header"
+            f" {header.dtype} {header.shape}"
+        )
+    return [head, tensor_bytes(tensor)]
+
+
+def error_message(
+    req_id: str, part_idx: int, num_parts: int, modality: str, exc: BaseException
+) -> list[FrameLike]:
+    """Frames telling a receiver its part failed, so it fails fast, not by timeout.
+
+    The message is the same safe text as the HTTP error body: never a traceback.
+    """
+    body = cast(dict[str, str], error_body(exc)["error"])
+    info = ErrorInfo(
+        type=str(body["type"])[:128],
+        message=str(body["message"])[:MAX_ERROR_MESSAGE],
+        status=min(max(http_status(exc), 400), 599),
+    )
+    header = EmbeddingHeader(
+        req_id=req_id,
+        part_idx=part_idx,
+        num_parts=num_parts,
+        modality=modality,
+        dtype="float32",  # required by the schema; meaningless without a tensor
+        shape=(0, 0),
+        kind="error",
+        error=info,
+    )
+    return encode_zmq_message(header, None)
+
+
+def decode_zmq_message(frames: Sequence[FrameLike]) -> tuple[EmbeddingHeader, torch.Tensor | None]:
+    """Parse a received multipart message; ``ProtocolError`` for anything malformed.
+
+    The tensor shares memory with frame 1 when that buffer is writable (zmq
+    frames are); a read-only buffer (``bytes``) is copied once, because torch
+    has no read-only tensors.
+    """
+    if not 1 <= len(frames) <= 2:
+        raise ProtocolError(f"expected 1 or 2 frames, got {len(frames)}")
+    header = header_from_map(_unpack(_flat(frames[0])))
+    if header.kind == "error":
+        if len(frames) != 1:
+            raise ProtocolError("an error message must have no tensor frame")
+        return header, None
+    if len(frames) != 2:
+        raise ProtocolError("an embedding message needs a tensor frame")
+    payload = _flat(frames[1])
+    if payload.nbytes != header.nbytes:
+        raise ProtocolError(
+            f"tensor frame has {payload.nbytes} bytes, header says {header.nbytes}"
+        )
+    return header, _tensor_over(payload, header)
+
+
+def encode_safetensors(embedding: torch.Tensor, metadata: Mapping[str, Any]) -> bytes:
+    """The inline ``/encode`` body: tensor ``embedding`` plus string metadata.
+
+    ``metadata`` holds ``req_id``, ``part_idx``, ``num_parts``, ``modality``,
+    ``token_counts`` and ``grid_thw`` as Python values; they are checked with
+    the ZMQ header rules, and non-strings stored JSON-encoded.
+    """
+    if set(metadata) != set(_ST_META_KEYS):
+        raise ValueError(f"metadata must have exactly the keys {list(_ST_META_KEYS)}")
+    header = header_for(embedding, **metadata)
+    header_to_map(header)  # same rules as a ZMQ header: token sums, grid, ids
+    strings = {
+        key: json.dumps(metadata[key]) if key in _ST_JSON_KEYS else metadata[key]
+        for key in _ST_META_KEYS
+    }
+    t = embedding.detach().cpu().contiguous()
+    return save_safetensors({"embedding": t}, metadata=strings)
+
+
+def decode_safetensors(data: bytes) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Parse an inline body into (embedding, metadata with Python values).
+
+    The JSON header is validated before the tensor is read; unknown metadata
+    keys (a writer's ``format``) are ignored.
+    """
+    dtype, shape, meta = _safetensors_header(data)
+    values = _safetensors_metadata(meta)
+    m = {"v": 1, "kind": "embedding", "dtype": dtype, "shape": shape, **values}
+    header_from_map(m)
+    try:
+        tensor = load_safetensors(data)["embedding"]
+    except safetensors.SafetensorError as exc:
+        raise ProtocolError(f"unreadable safetensors body: {exc}") from None
+    return tensor, values
+
+
+def _flat(frame: FrameLike) -> memoryview:
+    try:
+        return memoryview(frame).cast("B")
+    except TypeError as exc:
+        raise ProtocolError(f"frame is not a contiguous buffer: {exc}") from None
+
+
+def _unpack(raw: memoryview) -> object:
+    if raw.nbytes > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header frame is {raw.nbytes} bytes (max {MAX_HEADER_BYTES})")
+    try:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=True, **_UNPACK_LIMITS)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise ProtocolError(f"header is not valid msgpack: {exc}") from None
+
+
+def _tensor_over(payload: memoryview, header: EmbeddingHeader) -> torch.Tensor:
+    dtype = TORCH_DTYPES[header.dtype]
+    if payload.nbytes == 0:  # frombuffer refuses empty buffers
+        return torch.empty(header.shape, dtype=dtype)
+    if payload.readonly:
+        payload = memoryview(bytearray(payload))
+    return torch.frombuffer(payload, dtype=dtype).view(header.shape)
+
+
+def _safetensors_header(data: bytes) -> tuple[str, object, dict[str, Any]]:
+    """(dtype, shape, metadata) from the JSON header, before any tensor is built."""
+    if not isinstance(data, bytes) or len(data) < 8:
+        raise ProtocolError("safetensors body must be bytes of at least 8")
+    size = int.from_bytes(data[:8], "little")
+    if size > min(MAX_HEADER_BYTES, len(data) - 8):
+        raise ProtocolError(f"safetensors header length {size} is out of range")
+    try:
+        head = json.loads(data[8 : 8 + size])
+    except ValueError as exc:  # UnicodeDecodeError is a ValueError
+        raise ProtocolError(f"safetensors header is not JSON: {exc}") from None
+    if not isinstance(head, dict) or set(head) != {"__metadata__", "embedding"}:
+        raise ProtocolError("safetensors body must hold one tensor 'embedding' and metadata")
+    entry, meta = head["embedding"], head["__metadata__"]
+    if not isinstance(entry, dict) or entry.get("dtype") not in _ST_DTYPES:
+        raise ProtocolError(f"embedding dtype must be one of {list(_ST_DTYPES)}")
+    if not isinstance(meta, dict):
+        raise ProtocolError("safetensors __metadata__ must be a map")
+    return _ST_DTYPES[entry["dtype"]], entry.get("shape"), meta
+
+
+def _safetensors_metadata(meta: dict[str, Any]) -> dict[str, Any]:
+    if missing := [k for k in _ST_META_KEYS if k not in meta]:
+        raise ProtocolError(f"safetensors metadata lacks {missing}")
+    values: dict[str, Any] = {}
+    for key in _ST_META_KEYS:
+        raw = meta[key]
+        if not isinstance(raw, str):
+            raise ProtocolError(f"safetensors metadata {key} must be a string")
+        if key not in _ST_JSON_KEYS:
+            values[key] = raw
+            continue
+        try:
+            values[key] = json.loads(raw)
+        except ValueError:
+            raise ProtocolError(f"safetensors metadata {key} is not JSON") from None
+    return values

@@ -1,0 +1,180 @@
+"""``TrioSocket``: a pyzmq socket whose waits are trio checkpoints.
+
+pyzmq has no trio support, so every call here is non-blocking and the waits go
+through the socket's FD. That FD is *edge*-triggered and only says "something
+changed": the truth is ``ZMQ_EVENTS``, read before every wait (skipping that can
+sleep forever with data already queued).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final, cast
+
+import trio
+import zmq
+
+from epd_trio.errors import TransferTimeout
+from epd_trio.protocol.codec import FrameLike
+
+__all__ = ["TrioSocket"]
+
+_TRACKER_POLL_MAX: Final = 0.005  # seconds; a 64 MiB frame takes ~40 ms on loopback
+
+
+class TrioSocket:
+    """A zmq socket whose waits are trio checkpoints.
+
+    trio lets one task wait on an FD, so one task at a time (the watcher) sleeps
+    on it and the others park on an Event the watcher sets when it wakes. Any
+    zmq call may consume the edge a sleeper waits for, so whoever reads EVENTS
+    and sees a state that some sleeper wants wakes them all.
+    """
+
+    def __init__(self, sock: zmq.Socket[bytes]) -> None:
+        self.socket = sock
+        self._fd = sock.fileno()
+        self._send_lock = trio.Lock()  # FIFO among senders; a message is atomic anyway
+        self._recv_lock = trio.Lock()
+        self._sleeping: dict[int, int] = {zmq.POLLIN: 0, zmq.POLLOUT: 0}
+        self._watch: trio.CancelScope | None = None
+        self._changed = trio.Event()
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def send_multipart(self, frames: Sequence[FrameLike], *, timeout: float) -> None:
+        """Send one message; return once zmq no longer reads the frames' buffers.
+
+        Frames of 64 KiB and more go zero-copy, so they must stay unchanged until
+        this returns. ``TransferTimeout`` when ``timeout`` passes first (a
+        message already accepted may still be delivered later).
+        """
+        if not frames:
+            raise ValueError("a ZMQ message has at least one frame")
+        with trio.move_on_after(timeout):
+            await _until_done(await self._send_nowait_loop(frames))
+            return
+        raise TransferTimeout(f"ZMQ send not done within {timeout:g} s")
+
+    async def receive_multipart(self) -> list[zmq.Frame]:
+        """The next whole message; frames expose their buffers without a copy."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        async with self._recv_lock:
+            while True:
+                self._check_open()
+                try:
+                    frames = self.socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    await self._wait(zmq.POLLIN)
+                    continue
+                self._after_io()
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                return frames
+
+    def close(self, linger_ms: int = 0) -> None:
+        """Close now; tasks waiting on this socket get ``trio.ClosedResourceError``."""
+        if self._closed:
+            return
+        self._closed = True
+        trio.lowlevel.notify_closing(self._fd)
+        self._wake()
+        self.socket.close(linger=linger_ms)
+
+    async def aclose(self, linger_ms: int = 0) -> None:
+        self.close(linger_ms)
+        await trio.lowlevel.checkpoint()
+
+    async def _send_nowait_loop(self, frames: Sequence[FrameLike]) -> zmq.MessageTracker:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        async with self._send_lock:
+            while True:
+                self._check_open()
+                try:
+                    tracker = self._send_parts(frames)
+                except zmq.Again:
+                    await self._wait(zmq.POLLOUT)
+                    continue
+                self._after_io()
+                return tracker
+
+    def _send_parts(self, frames: Sequence[FrameLike]) -> zmq.MessageTracker:
+        """Queue all parts, tracking each one.
+
+        Not ``send_multipart``: it returns the last part's tracker only. And no
+        ``zmq.Frame`` kept here: while one lives, libzmq never reports its
+        buffer released. ``zmq.Again`` can only come from the first part (libzmq
+        takes a whole message or none of it).
+        """
+        last = len(frames) - 1
+        trackers = [
+            self.socket.send(
+                _untracked(f), zmq.NOBLOCK | (zmq.SNDMORE if i < last else 0),
+                copy=False, track=True,
+            )
+            for i, f in enumerate(frames)
+        ]
+        return zmq.MessageTracker(*trackers)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError("the ZMQ socket was closed")
+
+    async def _wait(self, flag: int) -> None:
+        """Return once EVENTS has ``flag``; sleep on the FD only while it hasn't."""
+        while True:
+            self._check_open()
+            if self._events() & flag:
+                return
+            self._sleeping[flag] += 1
+            try:
+                await self._sleep_on_fd()
+            finally:
+                self._sleeping[flag] -= 1
+
+    def _events(self) -> int:
+        """Read EVENTS, waking the sleepers who want what it shows.
+
+        Any zmq call (this one included) may consume the edge they sleep on.
+        """
+        events = cast(int, self.socket.getsockopt(zmq.EVENTS))
+        if any(n and events & flag for flag, n in self._sleeping.items()):
+            self._wake()
+        return events
+
+    def _after_io(self) -> None:
+        if any(self._sleeping.values()):
+            self._events()
+
+    async def _sleep_on_fd(self) -> None:
+        if self._watch is not None:  # someone else watches the FD: park
+            await self._changed.wait()
+            return
+        with trio.CancelScope() as scope:
+            self._watch = scope
+            try:
+                await trio.lowlevel.wait_readable(self._fd)
+            finally:
+                self._watch = None
+                self._wake()
+
+    def _wake(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        self._changed.set()
+        self._changed = trio.Event()
+
+
+def _untracked(frame: FrameLike) -> FrameLike:
+    """A received ``zmq.Frame`` can't be sent tracked; its buffer (no copy) can."""
+    return frame.buffer if isinstance(frame, zmq.Frame) else frame
+
+
+async def _until_done(tracker: zmq.MessageTracker) -> None:
+    """Poll the tracker: ``tracker.wait()`` would block the whole trio thread."""
+    delay = 0.0001
+    while not tracker.done:
+        await trio.sleep(delay)
+        delay = min(delay * 2, _TRACKER_POLL_MAX)
