@@ -3,9 +3,12 @@
 This module is the public API; everything else is private to the package.
 """
 
-from epd_trio.config import EngineConfig
+from epd_trio._version import __version__
+from epd_trio.config import EncoderConfig, EngineConfig
+from epd_trio.encoder.server import EncoderServer, run_encoder, serve_encoder
 from epd_trio.engine import EncodeOutput, Engine, EngineStatistics, ModelInfo, open_engine
 from epd_trio.errors import (
+    AbortedError,
     DeadlineExceeded,
     DuplicateRequestError,
     EncodeError,
@@ -26,15 +29,16 @@ from epd_trio.errors import (
 )
 from epd_trio.model.tiny import TinySpec, make_tiny_model
 
-__version__ = "0.1.0"
-
 __all__ = [
+    "AbortedError",
     "DeadlineExceeded",
     "DuplicateRequestError",
     "EPDError",
     "EncodeError",
     "EncodeOutput",
     "EncodeTimeout",
+    "EncoderConfig",
+    "EncoderServer",
     "Engine",
     "EngineConfig",
     "EngineStatistics",
@@ -54,4 +58,6 @@ __all__ = [
     "WorkerDeadError",
     "make_tiny_model",
     "open_engine",
+    "run_encoder",
+    "serve_encoder",
 ]

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import trio
 
-from epd_trio.config import EngineConfig, add_config_arguments, config_from_args
+from epd_trio.config import EncoderConfig, EngineConfig, add_config_arguments, config_from_args
 from epd_trio.errors import EPDError
 
 __all__ = ["main"]
@@ -30,11 +30,32 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _encoder(args: argparse.Namespace) -> int:
+    config = config_from_args(EncoderConfig, args)
+    logging.getLogger().setLevel(config.log_level.upper())
+    trio.run(_serve_until_signal, config)
+    return 0
+
+
+async def _serve_until_signal(config: EncoderConfig) -> None:
+    import signal
+
+    from epd_trio.encoder.server import serve_encoder
+
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with serve_encoder(config) as server:
+            print(f"epd-trio encoder listening on {server.url}", flush=True)
+            async for signum in signals:
+                logging.getLogger(__name__).info(
+                    "%s: draining (up to %.0f s), then exiting",
+                    signal.Signals(signum).name, server.service.config.drain_timeout)
+                break
+
+
 def build_parser() -> argparse.ArgumentParser:
     from epd_trio.model.tiny import TINY_ARCHES
 
     parser = argparse.ArgumentParser(prog="epd-trio", description=__doc__)
-    parser.add_argument("--log-level", default="INFO", help="logging level [env EPD_LOG_LEVEL]")
     sub = parser.add_subparsers(dest="command", required=True)
 
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random-weight checkpoint")
@@ -42,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--arch", choices=TINY_ARCHES, default="qwen2_5_vl")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(run=_make_tiny_model)
+
+    encoder = sub.add_parser("encoder", help="serve the encoder over HTTP (SIGINT/SIGTERM drain, exit 0)")
+    add_config_arguments(encoder, EncoderConfig)
+    encoder.set_defaults(run=_encoder)
 
     demo = sub.add_parser("demo", help="encode sample images through the engine, print a table")
     add_config_arguments(demo, EngineConfig)
@@ -53,7 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import os
 
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=os.environ.get("EPD_LOG_LEVEL", args.log_level).upper(),
+    level = getattr(args, "log_level", None) or os.environ.get("EPD_LOG_LEVEL", "INFO")
+    logging.basicConfig(level=level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.run(args))

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 __all__ = [
+    "EncoderConfig",
     "EngineConfig",
     "add_config_arguments",
     "config_from_args",
@@ -70,6 +71,34 @@ class EngineConfig:
         return Path(base) / "epd_trio"
 
 
+@dataclass(frozen=True)
+class EncoderConfig:
+    """The encoder server: HTTP, request lifecycle deadlines, delivery. Holds its engine's config."""
+
+    host: str = _opt("127.0.0.1", "address to listen on")
+    port: int = _opt(8000, "port to listen on (0 picks a free one)")
+    request_timeout: float = _opt(180.0, "seconds a request may live, from arrival to delivery (→ 504)")
+    send_timeout: float = _opt(60.0, "seconds one delivery may take (ZMQ send, Mooncake /send wait) (→ 504)")
+    health_timeout: float = _opt(30.0, "seconds the /health probe encode may take (→ 503)")
+    health_fresh: float = _opt(5.0, "a batch completed this recently makes /health answer without a probe")
+    drain_timeout: float = _opt(30.0, "seconds in-flight requests get to finish on shutdown")
+    max_body_bytes: int = _opt(128 * 1024 * 1024, "largest /encode body in bytes (→ 413)")
+    max_items: int = _opt(256, "most mm_items in one request (→ 400)")
+    zmq_idle_close: float = _opt(60.0, "seconds an unused ZMQ PUSH socket stays open")
+    zmq_max_sockets: int = _opt(256, "most cached ZMQ PUSH sockets (one per destination)")
+    log_level: str = _opt("INFO", "logging level")
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig, metadata={"nested": True})
+
+    def __post_init__(self) -> None:
+        for name in ("request_timeout", "send_timeout", "health_timeout", "drain_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.max_body_bytes < 1 or self.max_items < 1 or self.zmq_max_sockets < 1:
+            raise ValueError("max_body_bytes, max_items and zmq_max_sockets must be at least 1")
+
+
 def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
@@ -109,6 +138,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tu
     for f in fields(cls):
         if f.name in skip:
             continue
+        if f.metadata.get("nested"):
+            add_config_arguments(parser, hints[f.name], skip=skip)
+            continue
         kind = _base_type(hints[f.name])
         help_text = f"{f.metadata.get('help', '')} [env {env_name(f.name)}; default {f.default!r}]"
         if kind is bool:
@@ -128,18 +160,21 @@ def config_from_env(cls: type[C], environ: Mapping[str, str] | None = None, **ov
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
     for f in fields(cls):  # type: ignore[arg-type]
+        if f.metadata.get("nested"):
+            values[f.name] = config_from_env(hints[f.name], environ, **overrides)
+            continue
         raw = environ.get(env_name(f.name))
         if raw is not None:
             values[f.name] = _parse(raw, _base_type(hints[f.name]), env_name(f.name))
-    values.update({k: v for k, v in overrides.items() if v is not None})
+    own = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    values.update({k: v for k, v in overrides.items() if v is not None and k in own})
     return cls(**values)
 
 
 def config_from_args(cls: type[C], args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> C:
     """``cls`` from parsed flags, falling back to ``EPD_*`` variables, then defaults."""
-    names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
     explicit = {}
     for name, value in vars(args).items():
-        if name in names and value is not None:
+        if value is not None:
             explicit[name] = tuple(value) if isinstance(value, list) else value
     return config_from_env(cls, environ, **explicit)

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import io
 import os
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import httpx
 import numpy as np
 import pytest
 from PIL import Image
 
+from epd_trio.config import EncoderConfig, EngineConfig
+from epd_trio.encoder.server import EncoderServer, serve_encoder
 from epd_trio.model.tiny import TinySpec, make_tiny_model
 
 # Dimensions deliberately unlike the embedded default (TinySpec()).
@@ -44,3 +52,29 @@ def png_bytes(width: int, height: int, seed: int = 0) -> bytes:
     buf = io.BytesIO()
     random_image(width, height, seed).save(buf, format="PNG")
     return buf.getvalue()
+
+
+def data_uri(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def image_uri(width: int = 56, height: int = 56, seed: int = 0) -> str:
+    return data_uri(png_bytes(width, height, seed))
+
+
+@asynccontextmanager
+async def running(model_path: str, **overrides: Any) -> AsyncIterator[tuple[EncoderServer, httpx.AsyncClient]]:
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    engine = EngineConfig(model_path=model_path,
+                          **{k: v for k, v in overrides.items() if k in engine_fields})
+    config = EncoderConfig(port=0, engine=engine,
+                           **{k: v for k, v in overrides.items() if k not in engine_fields})
+    async with serve_encoder(config) as server, \
+            httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+        yield server, http
+
+
+@pytest.fixture
+def encoder(qwen25_path: str) -> Callable[..., Any]:
+    """``async with encoder(**overrides) as (server, http)``."""
+    return lambda **kw: running(qwen25_path, **kw)

@@ -9,15 +9,17 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from epd_trio.config import EngineConfig, env_name, flag_name
+from epd_trio.config import EncoderConfig, EngineConfig, env_name, flag_name
 
-COMPONENTS = (EngineConfig,)
+COMPONENTS = (EncoderConfig, EngineConfig)
 
 
 def table(cls: type) -> str:
     rows = [f"**{cls.__name__}** — {cls.__doc__.strip()}", "",
             "| flag | environment | default | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(cls):
+        if f.metadata.get("nested"):
+            continue
         rows.append(f"| `{flag_name(f.name)}` | `{env_name(f.name)}` | `{f.default!r}` | "
                     f"{f.metadata['help']} |")
     return "\n".join(rows)

@@ -1,0 +1,1 @@
+"""The encoder server: request scopes and registry, service, HTTP app, health."""

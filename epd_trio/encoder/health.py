@@ -1,0 +1,106 @@
+"""``/health``: a real tiny encode through the same pipeline, shared by callers.
+
+While real batches are completing, the encoder is evidently healthy and no
+probe runs. Otherwise one probe (request id ``HEALTH_CHECK-n``) goes through
+the engine exactly like a request, but skips the admission bound (a full queue
+is not a sick encoder). Concurrent ``/health`` calls share the probe in flight,
+and the probe runs in the service's nursery, so a caller that gives up does
+not cancel it for the others.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import trio
+
+from epd_trio.errors import EPDError
+
+if TYPE_CHECKING:
+    from epd_trio.engine import Engine
+
+__all__ = ["HealthMonitor", "HealthStatistics", "probe_image"]
+
+log = logging.getLogger(__name__)
+
+
+def probe_image() -> bytes:
+    """A 28×28 PNG: the smallest image every Qwen-VL processor accepts."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (28, 28), (127, 64, 200)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@dataclass(frozen=True)
+class HealthStatistics:
+    probes: int
+    probe_failures: int
+    last_ok: float | None
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    healthy: bool
+    probed: bool
+    detail: str
+
+
+class HealthMonitor:
+    def __init__(self, engine: Engine, nursery: trio.Nursery, *, timeout: float, fresh: float) -> None:
+        self._engine = engine
+        self._nursery = nursery
+        self._timeout = timeout
+        self._fresh = fresh
+        self._image = probe_image()
+        self._ids = itertools.count()
+        self._last_ok: float | None = None
+        self._inflight: trio.Event | None = None
+        self._last_report = HealthReport(False, False, "no probe yet")
+        self._probes = self._failures = 0
+
+    def batch_completed(self) -> None:
+        self._last_ok = trio.current_time()
+
+    async def check(self) -> HealthReport:
+        if self._last_ok is not None and trio.current_time() - self._last_ok < self._fresh:
+            return HealthReport(True, False, "batches are completing")
+        if self._inflight is None:
+            self._inflight = trio.Event()
+            self._nursery.start_soon(self._probe, self._inflight)
+        await self._inflight.wait()  # bounded: the probe has its own timeout
+        return self._last_report
+
+    async def _probe(self, done: trio.Event) -> None:
+        req_id = f"HEALTH_CHECK-{next(self._ids)}"
+        self._probes += 1
+        try:
+            with trio.fail_after(self._timeout):
+                await self._engine.encode([self._image], "image", bypass_admission=True)
+        except trio.TooSlowError:
+            self._report(HealthReport(False, True, f"{req_id} took over {self._timeout} s"))
+        except EPDError as exc:
+            self._report(HealthReport(False, True, f"{req_id} failed: {type(exc).__name__}: {exc}"))
+        except Exception as exc:  # a bug must read as "unhealthy", not kill the server
+            log.exception("health probe %s crashed", req_id)
+            self._report(HealthReport(False, True, f"{req_id} crashed: {type(exc).__name__}"))
+        else:
+            self.batch_completed()
+            self._report(HealthReport(True, True, f"{req_id} encoded"))
+        finally:
+            self._inflight = None
+            done.set()
+
+    def _report(self, report: HealthReport) -> None:
+        if not report.healthy:
+            self._failures += 1
+            log.warning("health probe: %s", report.detail)
+        self._last_report = report
+
+    def statistics(self) -> HealthStatistics:
+        return HealthStatistics(self._probes, self._failures, self._last_ok)

@@ -1,0 +1,199 @@
+"""The encoder service: request scopes around the engine, and their delivery.
+
+Each accepted ``/encode`` becomes a **request scope**, a task in the service's
+request nursery (DESIGN §3). Inside it a nursery runs *encode*, then *send* to
+each destination as child tasks; *release* is the scope's ``finally``, after
+that nursery has closed — so a release never overtakes a send, by
+construction. A failed, aborted or timed-out scope still *delivers*: its ZMQ
+destinations get an ``error`` message so receivers fail fast. The HTTP handler
+only waits for the scope's answer (and cancels the scope if its client leaves).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import outcome
+import trio
+
+from epd_trio.config import EncoderConfig
+from epd_trio.encoder.health import HealthMonitor
+from epd_trio.encoder.requests import RequestRegistry, RequestScope
+from epd_trio.engine import EncodeOutput, Engine
+from epd_trio.errors import (
+    AbortedError,
+    DeadlineExceeded,
+    EncodeError,
+    EPDError,
+    NotReadyError,
+)
+from epd_trio.protocol.codec import encode_zmq_message, error_message, header_for
+from epd_trio.protocol.requests import EncodeMeta, EncodeRequest
+from epd_trio.transport.zmq import PushSocketCache
+
+__all__ = ["EncoderService", "open_encoder_service"]
+
+log = logging.getLogger(__name__)
+
+# A final error notice to a receiver must not hold shutdown or a release for long.
+_ERROR_NOTICE_TIMEOUT = 5.0
+
+
+@dataclass(frozen=True)
+class EncodeAnswer:
+    """What the HTTP handler turns into a response."""
+
+    request: EncodeRequest
+    output: EncodeOutput
+
+    def meta(self, dim: int) -> EncodeMeta:
+        out = self.output
+        return EncodeMeta(
+            req_id=self.request.req_id, part_idx=self.request.part_idx,
+            num_parts=self.request.num_parts, modality=out.modality,
+            tokens=int(out.embedding.shape[0]), dim=dim,
+            dtype=str(out.embedding.dtype).removeprefix("torch."),
+            token_counts=list(out.token_counts), grid_thw=[list(g) for g in out.grid_thw],
+        )
+
+
+class EncoderService:
+    """Owns the live request scopes of one encoder; build with ``open_encoder_service``."""
+
+    def __init__(self, config: EncoderConfig, engine: Engine, zmq: PushSocketCache,
+                 nursery: trio.Nursery) -> None:
+        self.config = config
+        self.engine = engine
+        self.zmq = zmq
+        self.registry = RequestRegistry()
+        self.health = HealthMonitor(engine, nursery, timeout=config.health_timeout,
+                                    fresh=config.health_fresh)
+        self._nursery = nursery
+        self.draining = False
+
+    # ---- the HTTP handler's side ------------------------------------------
+    async def encode(self, request: EncodeRequest) -> EncodeAnswer:
+        """Run ``request`` in its own scope and wait for the answer to give."""
+        if self.draining:
+            raise NotReadyError("the encoder is draining and accepts no new requests")
+        scope: RequestScope = await self._nursery.start(self._run_scope, request)
+        try:
+            await scope.ready.wait()  # bounded: the scope has the request deadline
+        finally:
+            if not scope.ready.is_set():  # our client left (disconnect) or we were cancelled
+                scope.cancel(AbortedError("the client went away", req_id=request.req_id))
+        assert scope.result is not None
+        return scope.result.unwrap()
+
+    def abort(self, req_id: str, part_idx: int | None) -> int:
+        return self.registry.abort(req_id, part_idx, AbortedError("aborted by /abort", req_id=req_id))
+
+    # ---- the request scope --------------------------------------------------
+    async def _run_scope(self, request: EncodeRequest, *,
+                         task_status: trio.TaskStatus[RequestScope]) -> None:
+        with self.registry.register(request.key) as scope:
+            scope.cancel_scope.deadline = trio.current_time() + self.config.request_timeout
+            task_status.started(scope)
+            try:
+                with scope.cancel_scope:
+                    await self._encode_and_deliver(request, scope)
+                if scope.cancel_scope.cancelled_caught:
+                    raise scope.cancel_reason or DeadlineExceeded(
+                        f"request exceeded its {self.config.request_timeout} s deadline",
+                        req_id=request.req_id)
+            except EPDError as exc:
+                await self._fail(request, scope, exc)
+            except Exception as exc:  # a bug: answer 500, keep serving
+                log.exception("request %s failed unexpectedly", request.req_id)
+                await self._fail(request, scope, exc)
+            finally:
+                # Shutdown cancels the request nursery: answer, never leave the handler waiting.
+                scope.set_result(outcome.Error(NotReadyError("the encoder is shutting down")))
+            # release: leaving register() drops the scope and what it held
+
+    async def _encode_and_deliver(self, request: EncodeRequest, scope: RequestScope) -> None:
+        output = await self.engine.encode(request.mm_items, request.modality)
+        self.health.batch_completed()
+        answer = EncodeAnswer(request, output)
+        if request.deliver.backend == "zmq":
+            header = header_for(
+                output.embedding, req_id=request.req_id, part_idx=request.part_idx,
+                num_parts=request.num_parts, modality=output.modality,
+                token_counts=output.token_counts, grid_thw=output.grid_thw)
+            frames = encode_zmq_message(header, output.embedding)
+            await self._send_all(request, frames)
+        scope.set_result(outcome.Value(answer))
+
+    async def _send_all(self, request: EncodeRequest, frames: list[Any]) -> None:
+        """Send to every destination as child tasks; the first failure fails the request."""
+        try:
+            async with trio.open_nursery() as nursery:
+                for endpoint in request.deliver.endpoints:
+                    nursery.start_soon(self.zmq.send, endpoint, frames, self.config.send_timeout)
+        except* EPDError as group:
+            raise _first(group) from None
+
+    async def _fail(self, request: EncodeRequest, scope: RequestScope, exc: BaseException) -> None:
+        error = exc if isinstance(exc, EPDError) else EncodeError("internal error in the encoder")
+        scope.set_result(outcome.Error(error))
+        log.info("request %s part %d failed: %s: %s", request.req_id, request.part_idx,
+                 type(error).__name__, error)
+        if request.deliver.backend != "zmq":
+            return
+        frames = error_message(request.req_id, request.part_idx, request.num_parts,
+                               request.modality, error)
+        # Shielded with a short deadline: the receiver must hear of the failure
+        # even when the scope was cancelled, but a dead receiver cannot hold us.
+        notice_timeout = min(self.config.send_timeout, _ERROR_NOTICE_TIMEOUT)
+        with trio.CancelScope(shield=True), trio.move_on_after(notice_timeout):
+            try:
+                await self._send_all(request, frames)
+            except EPDError as notice_failed:
+                log.info("could not tell %s of its failure: %s", request.req_id, notice_failed)
+
+    # ---- lifecycle and observability ---------------------------------------
+    async def drain(self) -> None:
+        """Stop admitting, give live requests ``drain_timeout`` to finish, cancel the rest."""
+        self.draining = True
+        with trio.move_on_after(self.config.drain_timeout):
+            await self.registry.wait_idle()
+        self.registry.cancel_all(NotReadyError("the encoder is shutting down"))
+
+    def statistics(self) -> dict[str, Any]:
+        registry, engine = self.registry.statistics(), self.engine.statistics()
+        return {
+            "live_requests": registry.live_requests, "queued": engine.queued,
+            "requests_done": engine.requests_done, "batches_run": engine.batches_run,
+            "errors": registry.failed, "draining": self.draining,
+            "registry": dataclasses.asdict(registry), "engine": dataclasses.asdict(engine),
+            "worker": dataclasses.asdict(self.engine.worker.statistics()),
+            "zmq": dataclasses.asdict(self.zmq.statistics()),
+            "health": dataclasses.asdict(self.health.statistics()),
+        }
+
+
+def _first(group: BaseExceptionGroup) -> BaseException:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
+@asynccontextmanager
+async def open_encoder_service(config: EncoderConfig, engine: Engine) -> AsyncIterator[EncoderService]:
+    """The service with its ZMQ socket cache and request nursery; drains on exit."""
+    async with PushSocketCache(max_sockets=config.zmq_max_sockets,
+                               idle_close=config.zmq_idle_close) as zmq, \
+            trio.open_nursery() as nursery:
+        service = EncoderService(config, engine, zmq, nursery)
+        try:
+            yield service
+        finally:
+            with trio.CancelScope(shield=True):
+                await service.drain()
+            nursery.cancel_scope.cancel()

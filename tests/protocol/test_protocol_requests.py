@@ -1,0 +1,77 @@
+"""POST bodies of wire protocol v1: parsed or refused with a message naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from epd_trio.errors import RequestError
+from epd_trio.protocol.requests import (
+    Delivery,
+    parse_abort_request,
+    parse_encode_request,
+    parse_json_body,
+    validate_endpoint,
+)
+
+BASE = {"req_id": "r", "modality": "Image", "mm_items": ["data:x", {"url": "http://h/a.png", "content_hash": "h"}]}
+
+
+def test_defaults_and_normalisation() -> None:
+    req = parse_encode_request(BASE)
+    assert (req.modality, req.num_parts, req.part_idx, req.hashes) == ("image", 1, 0, None)
+    assert req.deliver == Delivery() and req.key == ("r", 0)
+
+
+def test_zmq_fan_out_deduplicates_endpoints() -> None:
+    eps = ["tcp://10.0.0.1:5000", "ipc:///tmp/x", "tcp://10.0.0.1:5000"]
+    req = parse_encode_request({**BASE, "deliver": {"backend": "zmq", "endpoints": eps}})
+    assert req.deliver.endpoints == ("tcp://10.0.0.1:5000", "ipc:///tmp/x")
+    one = parse_encode_request({**BASE, "deliver": {"backend": "zmq", "endpoint": "tcp://[::1]:7"}})
+    assert one.deliver.endpoints == ("tcp://[::1]:7",)
+
+
+def test_mooncake_receive_count_and_hashes() -> None:
+    req = parse_encode_request({**BASE, "hashes": ["a", "b"], "deliver": {"backend": "mooncake", "receive_count": 4}})
+    assert req.deliver.receive_count == 4 and req.hashes == ["a", "b"]
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"req_id": ""}, "'req_id'"),
+    ({"req_id": "x" * 257}, "'req_id'"),
+    ({"hashes": ["a"]}, "'hashes' must be a list of 2"),
+    ({"mm_items": [{"url": "u", "extra": 1}]}, "item 0"),
+    ({"mm_items": ["a"] * 5}, "at most 4"),
+    ({"deliver": "zmq"}, "'deliver' must be an object"),
+    ({"deliver": {"backend": "zmq"}}, "ZMQ endpoint"),
+    ({"deliver": {"backend": "zmq", "endpoints": []}}, "1..64 endpoints"),
+    ({"deliver": {"backend": "mooncake", "receive_count": 0}}, "receive_count"),
+    ({"num_parts": 0}, "part_idx < num_parts"),
+    ({"part_idx": -1}, "part_idx < num_parts"),
+])
+def test_refusals_name_the_field(change: dict, message: str) -> None:
+    with pytest.raises(RequestError, match=message):
+        parse_encode_request({**BASE, **change}, max_items=4)
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://h:0", "tcp://h", "udp://h:1", "ipc://", "tcp://h:1/x", 5, "tcp://" + "h" * 600 + ":1"])
+def test_bad_endpoints(endpoint: object) -> None:
+    with pytest.raises(RequestError):
+        validate_endpoint(endpoint)
+    assert validate_endpoint("tcp://0.0.0.0:0", bind=True)
+
+
+def test_json_body_limits() -> None:
+    deep = ("[" * 40 + "1" + "]" * 40).join(['{"a": ', "}"]).encode()
+    with pytest.raises(RequestError, match="nested deeper"):
+        parse_json_body(deep)
+    with pytest.raises(RequestError, match="not valid JSON"):
+        parse_json_body(b"\xff\xfe")
+    with pytest.raises(RequestError, match="JSON object"):
+        parse_json_body(b"null")
+
+
+def test_abort_bodies() -> None:
+    assert parse_abort_request({"req_id": "r"}).part_idx is None
+    assert parse_abort_request({"req_id": "r", "part_idx": 3}).part_idx == 3
+    with pytest.raises(RequestError, match="'part_idx'"):
+        parse_abort_request({"req_id": "r", "part_idx": "3"})
