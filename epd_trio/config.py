@@ -86,6 +86,12 @@ class EncoderConfig:
     max_items: int = _opt(256, "most mm_items in one request (→ 400)")
     zmq_idle_close: float = _opt(60.0, "seconds an unused ZMQ PUSH socket stays open")
     zmq_max_sockets: int = _opt(256, "most cached ZMQ PUSH sockets (one per destination)")
+    transfer_backend: str = _opt("zmq", "zmq (inline and ZMQ delivery) or mooncake (also Mooncake "
+                                 "transfer-engine writes; needs the mooncake extra)")
+    mooncake_protocol: str = _opt("tcp", "Mooncake transport: tcp, or rdma where RDMA NICs exist")
+    mooncake_device: str = _opt("", "Mooncake RDMA device names (e.g. mlx5_0), empty for tcp")
+    mooncake_host: str | None = _opt(None, "address Mooncake peers reach this encoder at "
+                                     "(default: --host, or 127.0.0.1 when that is 0.0.0.0)")
     log_level: str = _opt("INFO", "logging level")
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig, metadata={"nested": True})
 
@@ -95,6 +101,8 @@ class EncoderConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.transfer_backend not in ("zmq", "mooncake"):
+            raise ValueError(f"transfer_backend must be zmq or mooncake, got {self.transfer_backend!r}")
         if self.max_body_bytes < 1 or self.max_items < 1 or self.zmq_max_sockets < 1:
             raise ValueError("max_body_bytes, max_items and zmq_max_sockets must be at least 1")
 

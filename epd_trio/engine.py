@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,10 +111,17 @@ class Engine:
         )
 
     async def encode(self, items: Sequence[Any], modality: str = "image", *,
-                     bypass_admission: bool = False) -> EncodeOutput:
-        """Encode one request's items (all of one modality), batched with others."""
+                     bypass_admission: bool = False,
+                     on_preprocessed: Callable[[PreprocessResult], None] | None = None) -> EncodeOutput:
+        """Encode one request's items (all of one modality), batched with others.
+
+        ``on_preprocessed`` is called once the output's size is known, before
+        the forward (Mooncake receivers reserve memory that early).
+        """
         with self.scheduler.admit(bypass=bypass_admission):
             pre = await self.preprocess(items, modality)
+            if on_preprocessed is not None:
+                on_preprocessed(pre)
             embedding = await self.scheduler.submit(pre)
         return EncodeOutput(pre.modality, embedding, list(pre.token_counts), list(pre.grid_thw))
 

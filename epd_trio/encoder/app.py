@@ -19,9 +19,15 @@ from werkzeug.exceptions import HTTPException
 
 from epd_trio._version import __version__
 from epd_trio.encoder.service import EncoderService
+from epd_trio.encoder.staging import SendOrder
 from epd_trio.errors import EPDError, PayloadTooLargeError, error_body, http_status
 from epd_trio.protocol.codec import encode_safetensors
-from epd_trio.protocol.requests import parse_abort_request, parse_encode_request, parse_json_body
+from epd_trio.protocol.requests import (
+    parse_abort_request,
+    parse_encode_request,
+    parse_json_body,
+    parse_send_request,
+)
 
 __all__ = ["create_app"]
 
@@ -67,13 +73,26 @@ def _routes(app: QuartTrio, service: EncoderService) -> None:
         except EPDError as exc:
             return _error(exc, _peek_req_id(body))
         if req.deliver.backend == "inline":
-            out = answer.output
-            data = encode_safetensors(out.embedding, {
+            data = encode_safetensors(answer.embedding, {
                 "req_id": req.req_id, "part_idx": req.part_idx, "num_parts": req.num_parts,
-                "modality": out.modality, "token_counts": out.token_counts,
-                "grid_thw": [list(g) for g in out.grid_thw]})
+                "modality": answer.modality, "token_counts": answer.token_counts,
+                "grid_thw": answer.grid_thw})
             return Response(data, status=200, mimetype=SAFETENSORS_MIME)
-        return _json(dataclasses.asdict(answer.meta(service.engine.model_info.dim)))
+        meta = dataclasses.asdict(answer.meta())
+        if req.deliver.backend == "mooncake":
+            meta["nbytes"] = answer.nbytes
+        return _json(meta)
+
+    @app.post("/send")
+    async def send() -> Response:
+        body = await _body()
+        try:
+            req = parse_send_request(body)
+            order = SendOrder(req.session, req.buffer_address, req.buffer_length)
+            nbytes = await service.send(req.req_id, req.part_idx, order)
+        except EPDError as exc:
+            return _error(exc, _peek_req_id(body))
+        return _json({"req_id": req.req_id, "part_idx": req.part_idx, "nbytes": nbytes})
 
     @app.post("/abort")
     async def abort() -> Response:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
+from typing import Any
 
 import outcome
 import trio
@@ -33,6 +34,8 @@ class RequestScope:
     finished: trio.Event = field(default_factory=trio.Event)  # released
     result: outcome.Outcome | None = None
     cancel_reason: EPDError | None = None
+    mailbox: Any = None  # a staging.Mailbox while a Mooncake delivery waits for /send
+    failure: BaseException | None = None  # how it ended, if badly (after any early answer)
 
     @property
     def req_id(self) -> str:
@@ -89,7 +92,7 @@ class RequestRegistry:
     def _count(self, scope: RequestScope) -> None:
         if scope.cancel_reason is not None:
             self._aborted += 1
-        elif isinstance(scope.result, outcome.Value):
+        elif scope.failure is None and isinstance(scope.result, outcome.Value):
             self._completed += 1
         else:
             self._failed += 1

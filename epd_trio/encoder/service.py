@@ -21,19 +21,25 @@ from typing import Any
 import outcome
 import trio
 
+from epd_trio._util import first_leaf
 from epd_trio.config import EncoderConfig
 from epd_trio.encoder.health import HealthMonitor
 from epd_trio.encoder.requests import RequestRegistry, RequestScope
-from epd_trio.engine import EncodeOutput, Engine
+from epd_trio.encoder.staging import Mailbox, SendOrder, serve_send_orders
+from epd_trio.engine import Engine
 from epd_trio.errors import (
     AbortedError,
     DeadlineExceeded,
     EncodeError,
     EPDError,
     NotReadyError,
+    RequestError,
+    UnknownRequestError,
 )
+from epd_trio.model.adapters import PreprocessResult
 from epd_trio.protocol.codec import encode_zmq_message, error_message, header_for
 from epd_trio.protocol.requests import EncodeMeta, EncodeRequest
+from epd_trio.transport.mooncake import MooncakeTransport, open_mooncake
 from epd_trio.transport.zmq import PushSocketCache
 
 __all__ = ["EncoderService", "open_encoder_service"]
@@ -46,30 +52,52 @@ _ERROR_NOTICE_TIMEOUT = 5.0
 
 @dataclass(frozen=True)
 class EncodeAnswer:
-    """What the HTTP handler turns into a response."""
+    """What the HTTP handler turns into a response.
+
+    For Mooncake it is given before the forward (``embedding`` is None): the
+    receiver needs ``nbytes`` early to reserve memory.
+    """
 
     request: EncodeRequest
-    output: EncodeOutput
+    modality: str
+    token_counts: list[int]
+    grid_thw: list[list[int]]
+    dim: int
+    dtype: str
+    embedding: Any = None  # torch.Tensor [tokens, dim] once encoded
 
-    def meta(self, dim: int) -> EncodeMeta:
-        out = self.output
+    @property
+    def tokens(self) -> int:
+        return sum(self.token_counts)
+
+    @property
+    def nbytes(self) -> int:
+        import torch
+
+        return self.tokens * self.dim * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+    def meta(self) -> EncodeMeta:
         return EncodeMeta(
             req_id=self.request.req_id, part_idx=self.request.part_idx,
-            num_parts=self.request.num_parts, modality=out.modality,
-            tokens=int(out.embedding.shape[0]), dim=dim,
-            dtype=str(out.embedding.dtype).removeprefix("torch."),
-            token_counts=list(out.token_counts), grid_thw=[list(g) for g in out.grid_thw],
-        )
+            num_parts=self.request.num_parts, modality=self.modality, tokens=self.tokens,
+            dim=self.dim, dtype=self.dtype, token_counts=self.token_counts, grid_thw=self.grid_thw)
+
+
+def _answer(request: EncodeRequest, modality: str, token_counts: Any, grid_thw: Any, dim: int,
+            dtype: Any, embedding: Any = None) -> EncodeAnswer:
+    return EncodeAnswer(request, modality, list(token_counts), [list(g) for g in grid_thw], dim,
+                        str(dtype).removeprefix("torch."), embedding)
 
 
 class EncoderService:
     """Owns the live request scopes of one encoder; build with ``open_encoder_service``."""
 
     def __init__(self, config: EncoderConfig, engine: Engine, zmq: PushSocketCache,
-                 nursery: trio.Nursery) -> None:
+                 nursery: trio.Nursery, mooncake: MooncakeTransport | None = None) -> None:
         self.config = config
         self.engine = engine
         self.zmq = zmq
+        self.mooncake = mooncake
         self.registry = RequestRegistry()
         self.health = HealthMonitor(engine, nursery, timeout=config.health_timeout,
                                     fresh=config.health_fresh)
@@ -81,6 +109,9 @@ class EncoderService:
         """Run ``request`` in its own scope and wait for the answer to give."""
         if self.draining:
             raise NotReadyError("the encoder is draining and accepts no new requests")
+        if request.deliver.backend == "mooncake" and self.mooncake is None:
+            raise RequestError("this encoder does not serve Mooncake delivery "
+                               "(start it with --transfer-backend mooncake)", req_id=request.req_id)
         scope: RequestScope = await self._nursery.start(self._run_scope, request)
         try:
             await scope.ready.wait()  # bounded: the scope has the request deadline
@@ -89,6 +120,17 @@ class EncoderService:
                 scope.cancel(AbortedError("the client went away", req_id=request.req_id))
         assert scope.result is not None
         return scope.result.unwrap()
+
+    async def send(self, req_id: str, part_idx: int, order: SendOrder) -> int:
+        """A Mooncake ``/send``: have the request's scope write its bytes; wait until in place."""
+        scope = self.registry.get((req_id, part_idx))
+        if not isinstance(scope.mailbox, Mailbox):
+            raise RequestError(f"request {req_id!r} part {part_idx} is not a Mooncake delivery",
+                               req_id=req_id)
+        scope.mailbox.post(order)
+        await order.done.wait()  # bounded: the scope finishes every order it was given
+        assert order.result is not None
+        return order.result.unwrap()
 
     def abort(self, req_id: str, part_idx: int | None) -> int:
         return self.registry.abort(req_id, part_idx, AbortedError("aborted by /abort", req_id=req_id))
@@ -117,17 +159,37 @@ class EncoderService:
             # release: leaving register() drops the scope and what it held
 
     async def _encode_and_deliver(self, request: EncodeRequest, scope: RequestScope) -> None:
-        output = await self.engine.encode(request.mm_items, request.modality)
-        self.health.batch_completed()
-        answer = EncodeAnswer(request, output)
-        if request.deliver.backend == "zmq":
-            header = header_for(
-                output.embedding, req_id=request.req_id, part_idx=request.part_idx,
-                num_parts=request.num_parts, modality=output.modality,
-                token_counts=output.token_counts, grid_thw=output.grid_thw)
-            frames = encode_zmq_message(header, output.embedding)
-            await self._send_all(request, frames)
-        scope.set_result(outcome.Value(answer))
+        info = self.engine.model_info
+        mooncake = request.deliver.backend == "mooncake"
+        if mooncake:
+            scope.mailbox = Mailbox(request.deliver.receive_count)
+
+        def sized(pre: PreprocessResult) -> None:
+            if mooncake:  # answer now: the receiver reserves memory while we run the forward
+                scope.set_result(outcome.Value(_answer(
+                    request, pre.modality, pre.token_counts, pre.grid_thw, info.dim, info.dtype)))
+
+        try:
+            output = await self.engine.encode(request.mm_items, request.modality, on_preprocessed=sized)
+            self.health.batch_completed()
+            answer = _answer(request, output.modality, output.token_counts, output.grid_thw,
+                             info.dim, output.embedding.dtype, output.embedding)
+            if mooncake:
+                assert self.mooncake is not None
+                await serve_send_orders(self.mooncake, scope.mailbox, output.embedding,
+                                        self.config.send_timeout)
+            elif request.deliver.backend == "zmq":
+                header = header_for(
+                    output.embedding, req_id=request.req_id, part_idx=request.part_idx,
+                    num_parts=request.num_parts, modality=output.modality,
+                    token_counts=output.token_counts, grid_thw=output.grid_thw)
+                await self._send_all(request, encode_zmq_message(header, output.embedding))
+            scope.set_result(outcome.Value(answer))
+        finally:
+            if mooncake:
+                scope.mailbox.close(UnknownRequestError(
+                    f"request {request.req_id!r} part {request.part_idx} was released",
+                    req_id=request.req_id))
 
     async def _send_all(self, request: EncodeRequest, frames: list[Any]) -> None:
         """Send to every destination as child tasks; the first failure fails the request."""
@@ -136,10 +198,11 @@ class EncoderService:
                 for endpoint in request.deliver.endpoints:
                     nursery.start_soon(self.zmq.send, endpoint, frames, self.config.send_timeout)
         except* EPDError as group:
-            raise _first(group) from None
+            raise first_leaf(group) from None
 
     async def _fail(self, request: EncodeRequest, scope: RequestScope, exc: BaseException) -> None:
         error = exc if isinstance(exc, EPDError) else EncodeError("internal error in the encoder")
+        scope.failure = error
         scope.set_result(outcome.Error(error))
         log.info("request %s part %d failed: %s: %s", request.req_id, request.part_idx,
                  type(error).__name__, error)
@@ -173,15 +236,9 @@ class EncoderService:
             "registry": dataclasses.asdict(registry), "engine": dataclasses.asdict(engine),
             "worker": dataclasses.asdict(self.engine.worker.statistics()),
             "zmq": dataclasses.asdict(self.zmq.statistics()),
+            "mooncake": dataclasses.asdict(self.mooncake.statistics()) if self.mooncake else None,
             "health": dataclasses.asdict(self.health.statistics()),
         }
-
-
-def _first(group: BaseExceptionGroup) -> BaseException:
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    return exc
 
 
 @asynccontextmanager
@@ -189,11 +246,21 @@ async def open_encoder_service(config: EncoderConfig, engine: Engine) -> AsyncIt
     """The service with its ZMQ socket cache and request nursery; drains on exit."""
     async with PushSocketCache(max_sockets=config.zmq_max_sockets,
                                idle_close=config.zmq_idle_close) as zmq, \
-            trio.open_nursery() as nursery:
-        service = EncoderService(config, engine, zmq, nursery)
+            _maybe_mooncake(config) as mooncake, trio.open_nursery() as nursery:
+        service = EncoderService(config, engine, zmq, nursery, mooncake)
         try:
             yield service
         finally:
             with trio.CancelScope(shield=True):
                 await service.drain()
             nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def _maybe_mooncake(config: EncoderConfig) -> AsyncIterator[MooncakeTransport | None]:
+    if config.transfer_backend != "mooncake":
+        yield None
+        return
+    host = config.mooncake_host or ("127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host)
+    async with open_mooncake(host, config.mooncake_protocol, config.mooncake_device) as mooncake:
+        yield mooncake

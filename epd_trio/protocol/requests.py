@@ -20,9 +20,11 @@ __all__ = [
     "Delivery",
     "EncodeMeta",
     "EncodeRequest",
+    "SendRequest",
     "parse_abort_request",
     "parse_encode_request",
     "parse_json_body",
+    "parse_send_request",
     "validate_endpoint",
 ]
 
@@ -66,6 +68,17 @@ class EncodeRequest:
 class AbortRequest:
     req_id: str
     part_idx: int | None = None
+
+
+@dataclass(frozen=True)
+class SendRequest:
+    """A Mooncake ``/send``: where in the receiver's registered memory to write."""
+
+    req_id: str
+    part_idx: int
+    session: str
+    buffer_address: int
+    buffer_length: int
 
 
 @dataclass(frozen=True)
@@ -219,3 +232,24 @@ def parse_abort_request(body: dict[str, Any]) -> AbortRequest:
     if part is not None and not _is_int(part):
         raise RequestError("'part_idx' must be an integer")
     return AbortRequest(_req_id(body), part)
+
+
+_SESSION = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})")
+_MAX_ADDRESS = (1 << 64) - 1
+
+
+def parse_send_request(body: dict[str, Any]) -> SendRequest:
+    """Validate a POST /send body: ``{req_id, part_idx?, session, buffer_address, buffer_length}``."""
+    session = body.get("session")
+    if not isinstance(session, str) or not _SESSION.fullmatch(session) or \
+            not 0 < int(session.rsplit(":", 1)[1]) <= 65535:
+        raise RequestError("'session' must be the receiver's Mooncake 'host:rpc_port'")
+    address, length = _int(body, "buffer_address"), _int(body, "buffer_length")
+    if not 0 < address <= _MAX_ADDRESS:
+        raise RequestError("'buffer_address' must be a positive 64-bit address")
+    if not 0 < length <= _MAX_ADDRESS - address:
+        raise RequestError("'buffer_length' must be positive and fit after the address")
+    part_idx = _int(body, "part_idx", 0)
+    if part_idx < 0:
+        raise RequestError("'part_idx' must be >= 0")
+    return SendRequest(_req_id(body), part_idx, session, address, length)

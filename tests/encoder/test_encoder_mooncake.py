@@ -1,0 +1,114 @@
+"""Mooncake delivery with a real TransferEngine over TCP on loopback."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import torch
+import trio
+
+from conftest import data_uri, png_bytes
+from epd_trio.protocol.codec import decode_safetensors
+
+if os.environ.get("EPD_REQUIRE_MOONCAKE") != "1":
+    pytest.importorskip("mooncake.engine", reason="Mooncake is an optional extra (epd-trio[mooncake-cpu])")
+
+from epd_trio.transport.mooncake import MooncakeTransport, open_mooncake  # noqa: E402
+
+
+@asynccontextmanager
+async def receiver(nbytes: int) -> AsyncIterator[tuple[MooncakeTransport, torch.Tensor]]:
+    """The language server's side: one registered buffer."""
+    async with open_mooncake("127.0.0.1") as mooncake:
+        buffer = torch.zeros(nbytes, dtype=torch.uint8)
+        async with mooncake.registered(buffer.data_ptr(), nbytes):
+            yield mooncake, buffer
+
+
+def body(req_id: str, image: bytes, receive_count: int = 1) -> dict[str, Any]:
+    return {"req_id": req_id, "modality": "image", "mm_items": [data_uri(image)],
+            "deliver": {"backend": "mooncake", "receive_count": receive_count}}
+
+
+async def stats(http: Any) -> dict[str, Any]:
+    return (await http.get("/stats")).json()
+
+
+async def test_mooncake_equals_inline_bit_for_bit(encoder: Any) -> None:
+    image = png_bytes(100, 70, seed=5)
+    async with encoder(transfer_backend="mooncake") as (_, http), receiver(1 << 20) as (mc, buf):
+        inline, _ = decode_safetensors((await http.post("/encode", json={**body("i", image), "deliver": None})).content)
+        r = await http.post("/encode", json=body("m", image))
+        assert r.status_code == 200, r.text
+        meta = r.json()
+        assert meta["nbytes"] == inline.numel() * inline.element_size() and meta["dtype"] == "float32"
+        # the receiver writes its own slot; place it at an offset to prove addressing
+        offset = 4096
+        s = await http.post("/send", json={"req_id": "m", "session": mc.session,
+                                           "buffer_address": buf.data_ptr() + offset,
+                                           "buffer_length": meta["nbytes"]})
+        assert s.status_code == 200 and s.json()["nbytes"] == meta["nbytes"], s.text
+        landed = buf[offset:offset + meta["nbytes"]].view(torch.float32).view(meta["tokens"], meta["dim"])
+        assert torch.equal(landed, inline)
+        with trio.fail_after(5):
+            while (await stats(http))["live_requests"]:
+                await trio.sleep(0.01)
+        after = await stats(http)
+    assert after["mooncake"]["registered_regions"] == 0 and after["mooncake"]["writes"] == 1
+
+
+async def test_two_receivers_and_a_retry_are_counted_once(encoder: Any) -> None:
+    image = png_bytes(56, 56)
+    async with encoder(transfer_backend="mooncake") as (_, http), receiver(1 << 16) as (mc, buf):
+        meta = (await http.post("/encode", json=body("tp", image, receive_count=2))).json()
+        send = {"req_id": "tp", "session": mc.session, "buffer_length": meta["nbytes"]}
+        first = await http.post("/send", json={**send, "buffer_address": buf.data_ptr()})
+        retry = await http.post("/send", json={**send, "buffer_address": buf.data_ptr()})
+        assert first.status_code == retry.status_code == 200
+        assert (await stats(http))["live_requests"] == 1  # still waiting for the 2nd receiver
+        second = await http.post("/send", json={**send, "buffer_address": buf.data_ptr() + 8192})
+        assert second.status_code == 200
+        assert torch.equal(buf[:meta["nbytes"]], buf[8192:8192 + meta["nbytes"]])
+        with trio.fail_after(5):
+            while (await stats(http))["live_requests"]:
+                await trio.sleep(0.01)
+        gone = await http.post("/send", json={**send, "buffer_address": buf.data_ptr()})
+    assert gone.status_code == 404
+
+
+async def test_bad_sends_and_releases(encoder: Any) -> None:
+    image = png_bytes(56, 56)
+    async with encoder(transfer_backend="mooncake", send_timeout=1.0) as (_, http), \
+            receiver(1 << 16) as (mc, buf):
+        meta = (await http.post("/encode", json=body("b", image))).json()
+        base = {"req_id": "b", "session": mc.session, "buffer_address": buf.data_ptr(),
+                "buffer_length": meta["nbytes"]}
+        for change, status in [({"session": "nohost"}, 400), ({"buffer_address": -5}, 400),
+                               ({"buffer_length": 0}, 400), ({"req_id": "zz"}, 404),
+                               ({"buffer_length": meta["nbytes"] - 1}, 400)]:
+            r = await http.post("/send", json={**base, **change})
+            assert r.status_code == status, (change, r.text)
+        # a write outside the receiver's registered memory fails on both sides
+        r = await http.post("/send", json={**base, "buffer_address": buf.data_ptr() + (1 << 30)})
+        assert r.status_code == 502 and r.json()["error"]["type"] == "TransportError"
+        # abort between /encode and /send releases the staged output
+        await http.post("/encode", json=body("a", image))
+        assert (await http.post("/abort", json={"req_id": "a"})).status_code == 200
+        # nobody ever calls /send: the encoder gives up after send_timeout
+        await http.post("/encode", json=body("t", image))
+        with trio.fail_after(10):
+            while (await stats(http))["live_requests"]:
+                await trio.sleep(0.05)
+        after = await stats(http)
+    assert after["mooncake"]["registered_regions"] == 0
+    assert after["registry"]["aborted"] == 1 and after["registry"]["failed"] >= 2
+
+
+async def test_mooncake_delivery_refused_without_the_backend(encoder: Any) -> None:
+    async with encoder() as (_, http):
+        r = await http.post("/encode", json=body("x", png_bytes(56, 56)))
+    assert r.status_code == 400 and "--transfer-backend mooncake" in r.json()["error"]["message"]
