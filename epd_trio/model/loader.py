@@ -3,9 +3,10 @@
 A Qwen2.5-VL-72B checkpoint is ~140 GB, of which the vision tower is ~1.3 GB.
 We read ``config.json``, pick the family's adapter, build the encoder module
 with initialisation skipped, and read from the safetensors files (single or
-sharded) only the tensors under the encoder's key prefix. The language model's
-bytes are never touched: safetensors maps the files and we index only the keys
-we need.
+sharded) only the tensors under the encoder's key prefixes (``visual.*``, or
+``audio_tower.*`` and ``multi_modal_projector.*``). The language model's bytes
+are never touched: safetensors maps the files and we index only the keys we
+need. The checkpoint's own processors are loaded beside it, one per modality.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from epd_trio.errors import ModelLoadError
 from epd_trio.model.adapters import ModelAdapter, adapter_for
 from epd_trio.model.tiny import is_tiny_model
 
-__all__ = ["DTYPES", "LoadedEncoder", "encoder_weight_names", "load_encoder", "resolve_dtype"]
+__all__ = [
+    "DTYPES", "LoadedEncoder", "encoder_weight_names", "load_encoder", "load_processors", "resolve_dtype",
+]
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,9 @@ class LoadedEncoder:
 
     adapter: ModelAdapter
     module: Any  # torch.nn.Module
-    processor: Any  # the checkpoint's Hugging Face image processor
+    # The checkpoint's own Hugging Face processors, by modality: an image
+    # processor, a video processor, an audio feature extractor.
+    processors: dict[str, Any]
     model_dir: Path
     device: str
     dtype: Any  # torch.dtype
@@ -45,6 +50,11 @@ class LoadedEncoder:
     @property
     def family(self) -> str:
         return self.adapter.family
+
+    @property
+    def processor(self) -> Any:
+        """The image processor (``None`` for a family without images)."""
+        return self.processors.get("image")
 
 
 def resolve_dtype(name: str, config: Any) -> Any:
@@ -75,10 +85,9 @@ def _weight_files(model_dir: Path) -> dict[str, str]:
 
 def encoder_weight_names(adapter: ModelAdapter, weight_map: dict[str, str]) -> dict[str, str]:
     """Checkpoint names of the encoder's tensors, mapped to module names."""
-    for prefix in adapter.weight_prefixes:
-        names = {k: k[len(prefix):] for k in weight_map if k.startswith(prefix)}
-        if names:
-            return names
+    names = adapter.encoder_weight_names(weight_map)
+    if names:
+        return names
     raise ModelLoadError(
         f"no encoder weights in the checkpoint: no tensor name starts with any of "
         f"{adapter.weight_prefixes}"
@@ -110,18 +119,29 @@ def _load_config(model_dir: Path) -> Any:
         raise ModelLoadError(f"cannot read {model_dir}/config.json: {exc}") from exc
 
 
-def _load_processor(model_dir: Path) -> Any:
-    from transformers import AutoImageProcessor
+def load_processors(adapter: ModelAdapter, model_dir: Path) -> dict[str, Any]:
+    """Each modality's processor, by the Auto class the family names.
 
-    try:
-        return AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
-    except (ValueError, KeyError, OSError) as exc:
-        raise ModelLoadError(f"cannot load the image processor of {model_dir}: {exc}") from exc
+    Checkpoints without a separate video processor config (Qwen2-VL and
+    Qwen2.5-VL on the Hub) get one built from ``preprocessor_config.json``,
+    as transformers itself does.
+    """
+    import transformers
+
+    processors = {}
+    for modality, class_name in sorted(adapter.processor_classes.items()):
+        auto = getattr(transformers, class_name)
+        try:
+            processors[modality] = auto.from_pretrained(model_dir, local_files_only=True)
+        except (ValueError, KeyError, OSError, ImportError) as exc:
+            raise ModelLoadError(
+                f"cannot load the {modality} processor of {model_dir} ({class_name}): {exc}"
+            ) from exc
+    return processors
 
 
 def load_encoder(model_dir: str | Path, *, device: str = "cpu", dtype: str = "auto") -> LoadedEncoder:
     """Load the encoder of a local checkpoint; blocking (run it in a thread)."""
-    import torch
     from transformers.initialization import no_init_weights
 
     model_dir = Path(model_dir)
@@ -147,6 +167,6 @@ def load_encoder(model_dir: str | Path, *, device: str = "cpu", dtype: str = "au
         " (RANDOM WEIGHTS: tiny test model)" if random else "",
     )
     return LoadedEncoder(
-        adapter=adapter, module=module, processor=_load_processor(model_dir),
+        adapter=adapter, module=module, processors=load_processors(adapter, model_dir),
         model_dir=model_dir, device=device, dtype=torch_dtype, random_weights=random,
     )

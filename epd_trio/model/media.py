@@ -1,7 +1,10 @@
 """Fetching and decoding media items, with limits checked before expensive work.
 
 An item is a ``data:`` URI, an ``http(s)://`` URL, a local path (only under a
-configured media root), raw bytes, a PIL image, or ``{"url": ..., "content_hash": ...}``.
+configured media root), raw bytes, a PIL image, a video's frames (a list of PIL
+images or arrays, or one 4-D array; in-process callers only), or
+``{"url": ..., "content_hash": ...}``. Images are decoded here; videos in
+``video.py``, audio in ``audio.py``.
 Fetching is async (trio + httpx) and bounded in bytes and time; decoding is
 blocking and runs in the preprocessing thread. Every failure is a
 ``RequestError`` that names the item's index and the reason.
@@ -24,7 +27,7 @@ import trio
 
 from epd_trio.errors import PayloadTooLargeError, RequestError
 
-__all__ = ["MediaLimits", "MediaLoader", "decode_image"]
+__all__ = ["MediaLimits", "MediaLoader", "decode_image", "is_frame_list", "item_error"]
 
 MediaItem = Any  # str | bytes | PIL.Image.Image | dict
 Loaded = Any  # bytes | PIL.Image.Image
@@ -35,12 +38,20 @@ class MediaLimits:
     """Bounds on what one item may cost before and after decoding."""
 
     max_item_bytes: int = 64 * 1024 * 1024
-    max_image_pixels: int = 40_000_000  # under PIL's own bomb warning (89 M)
+    max_image_pixels: int = 40_000_000  # under PIL's own bomb warning (89 M); also per video frame
     fetch_timeout: float = 10.0
     media_root: Path | None = None
+    # Video: the source's length (checked on the container before decoding)
+    # and the pixels of all frames kept for the model (what preprocessing holds).
+    max_video_seconds: float = 3600.0
+    max_video_frames: int = 200_000
+    max_video_pixels: int = 768 * 1280 * 720
+    # Audio: longer items are refused, never silently cut (the model's own
+    # window, 30 s for Qwen2-Audio, is a second bound).
+    max_audio_seconds: float = 30.0
 
 
-def _item_error(index: int, reason: str) -> RequestError:
+def item_error(index: int, reason: str) -> RequestError:
     return RequestError(f"item {index}: {reason}")
 
 
@@ -48,7 +59,7 @@ def _url_of(item: MediaItem, index: int) -> MediaItem:
     if isinstance(item, dict):
         url = item.get("url")
         if not isinstance(url, str):
-            raise _item_error(index, "an item object needs a string 'url'")
+            raise item_error(index, "an item object needs a string 'url'")
         return url
     return item
 
@@ -56,13 +67,13 @@ def _url_of(item: MediaItem, index: int) -> MediaItem:
 def decode_data_uri(uri: str, index: int, max_bytes: int) -> bytes:
     header, sep, payload = uri.partition(",")
     if not sep or not header.endswith(";base64"):
-        raise _item_error(index, "a data: URI must be base64 (data:<mime>;base64,<data>)")
+        raise item_error(index, "a data: URI must be base64 (data:<mime>;base64,<data>)")
     if len(payload) * 3 // 4 > max_bytes:
         raise PayloadTooLargeError(f"item {index}: data URI is over {max_bytes} bytes")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise _item_error(index, f"undecodable base64 in data: URI ({exc})") from None
+        raise item_error(index, f"undecodable base64 in data: URI ({exc})") from None
 
 
 class MediaLoader:
@@ -94,16 +105,16 @@ class MediaLoader:
         if isinstance(item, (bytes, bytearray, memoryview)):
             return bytes(item)
         if not isinstance(item, str):
-            if _is_pil(item):
-                return item
-            raise _item_error(index, f"unsupported item type {type(item).__name__}")
+            if _is_pil(item) or is_frame_list(item):
+                return item  # decoded in-process objects: checked when decoded
+            raise item_error(index, f"unsupported item type {type(item).__name__}")
         if item.startswith("data:"):
             return decode_data_uri(item, index, self.limits.max_item_bytes)
         scheme = item.split(":", 1)[0].lower() if "://" in item else ""
         if scheme in ("http", "https"):
             return await self._fetch(index, item)
         if scheme:
-            raise _item_error(index, f"URL scheme {scheme!r} is not allowed (use data:, http, https)")
+            raise item_error(index, f"URL scheme {scheme!r} is not allowed (use data:, http, https)")
         return await self._read_local(index, item)
 
     async def _fetch(self, index: int, url: str) -> bytes:
@@ -112,7 +123,7 @@ class MediaLoader:
             with trio.fail_after(self.limits.fetch_timeout):
                 async with self._http.stream("GET", url) as response:
                     if response.status_code != 200:
-                        raise _item_error(index, f"fetching {url} gave HTTP {response.status_code}")
+                        raise item_error(index, f"fetching {url} gave HTTP {response.status_code}")
                     chunks, size = [], 0
                     async with aclosing(response.aiter_bytes()) as body:
                         async for chunk in body:
@@ -122,34 +133,44 @@ class MediaLoader:
                             chunks.append(chunk)
                     return b"".join(chunks)
         except trio.TooSlowError:
-            raise _item_error(index, f"fetching {url} took over {self.limits.fetch_timeout} s") from None
+            raise item_error(index, f"fetching {url} took over {self.limits.fetch_timeout} s") from None
         except httpx.HTTPError as exc:
-            raise _item_error(index, f"fetching {url} failed: {type(exc).__name__}") from None
+            raise item_error(index, f"fetching {url} failed: {type(exc).__name__}") from None
 
     async def _read_local(self, index: int, path: str) -> bytes:
         root = self.limits.media_root
         if root is None:
-            raise _item_error(
+            raise item_error(
                 index, "local paths are not allowed (the encoder has no media root); "
                 "send a data: URI or an http(s) URL"
             )
         resolved = await trio.Path(root, path).resolve()
         real_root = await trio.Path(root).resolve()
         if not resolved.is_relative_to(real_root):
-            raise _item_error(index, "path is outside the media root")
+            raise item_error(index, "path is outside the media root")
         try:
             size = (await resolved.stat()).st_size
             if size > self.limits.max_item_bytes:
                 raise PayloadTooLargeError(f"item {index}: file is over {self.limits.max_item_bytes} bytes")
             return await resolved.read_bytes()
         except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
-            raise _item_error(index, f"cannot read {path}: {type(exc).__name__}") from None
+            raise item_error(index, f"cannot read {path}: {type(exc).__name__}") from None
 
 
 def _is_pil(obj: object) -> bool:
     from PIL import Image
 
     return isinstance(obj, Image.Image)
+
+
+def is_frame_list(obj: object) -> bool:
+    """A video given as its frames: PIL images or arrays, or one 4-D array."""
+    import numpy as np
+
+    if isinstance(obj, np.ndarray):
+        return obj.ndim == 4
+    return (isinstance(obj, (list, tuple)) and len(obj) > 0
+            and all(_is_pil(f) or isinstance(f, np.ndarray) for f in obj))
 
 
 def decode_image(data: Loaded, index: int, limits: MediaLimits) -> Any:
@@ -159,26 +180,29 @@ def decode_image(data: Loaded, index: int, limits: MediaLimits) -> Any:
     if _is_pil(data):
         image = data
         _check_pixels(image.size, index, limits)
+    elif not isinstance(data, bytes):
+        raise item_error(index, f"an image item must be image bytes or a PIL image, not "
+                                f"{type(data).__name__} (a list of frames is a video)")
     else:
         try:
             image = Image.open(io.BytesIO(data))
             _check_pixels(image.size, index, limits)
             image.load()
         except UnidentifiedImageError:
-            raise _item_error(index, "bytes are not an image in a known format") from None
+            raise item_error(index, "bytes are not an image in a known format") from None
         except (Image.DecompressionBombError, Image.DecompressionBombWarning):
             raise PayloadTooLargeError(
                 f"item {index}: image is a decompression bomb (its header claims too many pixels)"
             ) from None
         except (OSError, SyntaxError, ValueError, EOFError) as exc:
-            raise _item_error(index, f"image cannot be decoded ({exc})") from None
+            raise item_error(index, f"image cannot be decoded ({exc})") from None
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
 def _check_pixels(size: tuple[int, int], index: int, limits: MediaLimits) -> None:
     width, height = size
     if width <= 0 or height <= 0:
-        raise _item_error(index, f"image is empty ({width}x{height})")
+        raise item_error(index, f"image is empty ({width}x{height})")
     if width * height > limits.max_image_pixels:
         raise PayloadTooLargeError(
             f"item {index}: image is {width}x{height} = {width * height} pixels, over the cap of "

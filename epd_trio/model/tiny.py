@@ -1,10 +1,11 @@
 """Tiny, seeded, random-weight checkpoints of the real architectures.
 
 They are written with ``save_pretrained``, so they have exactly the layout of a
-user's download (config.json, safetensors, preprocessor_config.json) and go
-through the same loading code. The weights are random: embeddings from them
-mean nothing, but every code path (processor, window attention, merger,
-batching) runs for real.
+user's download (config.json, safetensors, preprocessor_config.json and, for
+the vision families, video_preprocessor_config.json) and go through the same
+loading code. The weights are random: embeddings from them mean nothing, but
+every code path (processors, window attention, deepstack, merger, audio
+masking, batching) runs for real.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ TINY_MARKER = "epd_trio_tiny_random_weights"
 
 @dataclass(frozen=True)
 class TinySpec:
-    """Dimensions of a generated checkpoint; tests vary them."""
+    """Dimensions of a generated checkpoint; tests vary them.
+
+    ``vision_*`` size the encoder: the vision tower, or for ``qwen2_audio`` the
+    audio tower (d_model, layers, heads). ``out_hidden`` is the language
+    model's width, i.e. the embedding width (per block for Qwen3-VL).
+    """
 
     arch: str = "qwen2_5_vl"
     vision_hidden: int = 32
@@ -37,6 +43,19 @@ class TinySpec:
     dtype: str = "float32"
     max_pixels: int = 1280 * 28 * 28
     extra_text: dict[str, Any] = field(default_factory=dict)
+    # Video processor: size["longest_edge"] (per frame for Qwen2/2.5-VL, per
+    # video for Qwen3-VL).
+    video_max_pixels: int = 256 * 28 * 28
+    # Qwen3-VL: patch side, learned position grid (a square), deepstack layers.
+    patch_size: int = 16
+    position_embeddings: int = 64
+    deepstack_indexes: tuple[int, ...] = (0,)
+    # Qwen2-Audio: mel bins, sample rate and window (seconds) of the feature
+    # extractor; the tower's positions follow from them (hop of 160 samples).
+    # Whisper's mel filters reach 8 kHz, so keep the rate at 16 kHz.
+    mel_bins: int = 128
+    sampling_rate: int = 16000
+    window_seconds: int = 30
 
 
 def _text_config(spec: TinySpec) -> dict[str, Any]:
@@ -64,6 +83,8 @@ def _text_config(spec: TinySpec) -> dict[str, Any]:
 def _config(spec: TinySpec) -> Any:
     import transformers
 
+    if spec.arch == "qwen2_audio":
+        return _audio_config(spec)
     text = _text_config(spec)
     special = {"image_token_id": 3, "video_token_id": 4, "vision_start_token_id": 5,
                "vision_end_token_id": 6}
@@ -81,10 +102,70 @@ def _config(spec: TinySpec) -> Any:
             "num_heads": spec.vision_heads, "hidden_size": spec.out_hidden, "mlp_ratio": 2,
         }
         return transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **special)
+    if spec.arch == "qwen3_vl":
+        heads = text["num_attention_heads"]
+        text = {**text, "head_dim": spec.out_hidden // heads}
+        text["rope_parameters"] = {**text["rope_parameters"], "mrope_interleaved": True}
+        vision = {
+            "depth": spec.vision_depth, "hidden_size": spec.vision_hidden,
+            "num_heads": spec.vision_heads, "intermediate_size": spec.vision_hidden * 2,
+            "out_hidden_size": spec.out_hidden, "patch_size": spec.patch_size,
+            "num_position_embeddings": spec.position_embeddings,
+            "deepstack_visual_indexes": list(spec.deepstack_indexes),
+        }
+        return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **special)
     raise ModelLoadError(f"no tiny model for arch {spec.arch!r}; choose one of {TINY_ARCHES}")
 
 
-TINY_ARCHES = ("qwen2_5_vl", "qwen2_vl")
+def _audio_config(spec: TinySpec) -> Any:
+    import transformers
+
+    hop = 160
+    frames = spec.window_seconds * spec.sampling_rate // hop
+    audio = {
+        "num_mel_bins": spec.mel_bins, "encoder_layers": spec.vision_depth,
+        "encoder_attention_heads": spec.vision_heads, "encoder_ffn_dim": spec.vision_hidden * 2,
+        "d_model": spec.vision_hidden, "max_source_positions": frames // 2,
+    }
+    text = {
+        "model_type": "qwen2", "hidden_size": spec.out_hidden,
+        "intermediate_size": spec.text_intermediate, "num_hidden_layers": spec.text_layers,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": spec.vocab_size,
+        "max_position_embeddings": 4096, "bos_token_id": 0, "eos_token_id": 1,
+        "pad_token_id": 2, **spec.extra_text,
+    }
+    return transformers.Qwen2AudioConfig(audio_config=audio, text_config=text,
+                                         audio_token_index=7)
+
+
+def _processors(spec: TinySpec) -> list[Any]:
+    """The processors a user's download of ``spec.arch`` would carry."""
+    import transformers
+
+    if spec.arch == "qwen2_audio":
+        return [transformers.WhisperFeatureExtractor(
+            feature_size=spec.mel_bins, sampling_rate=spec.sampling_rate,
+            chunk_length=spec.window_seconds, hop_length=160)]
+    if spec.arch == "qwen3_vl":
+        half = [0.5, 0.5, 0.5]
+        factor = spec.patch_size * 2
+        return [
+            transformers.Qwen2VLImageProcessor(
+                patch_size=spec.patch_size, image_mean=half, image_std=half,
+                min_pixels=factor * factor, max_pixels=spec.max_pixels),
+            transformers.Qwen3VLVideoProcessor(
+                patch_size=spec.patch_size, image_mean=half, image_std=half,
+                size={"shortest_edge": 4 * factor * factor, "longest_edge": spec.video_max_pixels},
+                cap_pixels_per_frame=True),
+        ]
+    return [
+        transformers.Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=spec.max_pixels),
+        transformers.Qwen2VLVideoProcessor(min_pixels=56 * 56, max_pixels=spec.video_max_pixels,
+                                           cap_pixels_per_frame=True),
+    ]
+
+
+TINY_ARCHES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen2_audio")
 
 
 def make_tiny_model(directory: str | Path, spec: TinySpec | None = None) -> Path:
@@ -97,14 +178,14 @@ def make_tiny_model(directory: str | Path, spec: TinySpec | None = None) -> Path
     out.mkdir(parents=True, exist_ok=True)
     config = _config(spec)
     torch.manual_seed(spec.seed)
-    model = transformers.AutoModelForImageTextToText.from_config(
-        config, dtype=getattr(torch, spec.dtype)
-    )
+    dtype = getattr(torch, spec.dtype)
+    if spec.arch == "qwen2_audio":  # no Auto class builds it from a config
+        model = transformers.Qwen2AudioForConditionalGeneration._from_config(config, dtype=dtype)
+    else:
+        model = transformers.AutoModelForImageTextToText.from_config(config, dtype=dtype)
     model.save_pretrained(out)
-    processor = transformers.Qwen2VLImageProcessor(
-        min_pixels=56 * 56, max_pixels=spec.max_pixels
-    )
-    processor.save_pretrained(out)
+    for processor in _processors(spec):
+        processor.save_pretrained(out)
     (out / f"{TINY_MARKER}.json").write_text(
         json.dumps({"warning": "random weights, for tests and demos only", "spec": _jsonable(spec)})
     )
@@ -121,7 +202,7 @@ def is_tiny_model(directory: str | Path) -> bool:
     return (Path(directory) / f"{TINY_MARKER}.json").exists()
 
 
-DEFAULT_NAME = "tiny-qwen2_5_vl-v1"
+DEFAULT_NAME = "tiny-qwen2_5_vl-v2"  # v2: with a video processor
 
 
 def ensure_default_model(cache_dir: Path) -> Path:

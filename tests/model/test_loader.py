@@ -20,7 +20,7 @@ def _full_model(path: str):
     return transformers.AutoModelForImageTextToText.from_pretrained(path)
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
 def test_loads_exactly_the_vision_tower(checkpoints: dict[str, str], arch: str) -> None:
     enc = load_encoder(checkpoints[arch])
     full = _full_model(checkpoints[arch])

@@ -133,3 +133,16 @@ def test_other_modes_become_rgb(mode: str) -> None:
     image = random_image(20, 10).convert(mode)
     image.save(buf, format="TIFF" if mode in ("CMYK", "I;16") else "PNG")
     assert decode_image(buf.getvalue(), 0, MediaLimits()).mode == "RGB"
+
+
+async def test_frame_lists_pass_through_the_loader_untouched() -> None:
+    import numpy as np
+
+    frames = [random_image(8, 8), random_image(8, 8, seed=1)]
+    array = np.zeros((2, 4, 4, 3), np.uint8)
+    out = await load([frames, array])
+    assert out[0] is frames and out[1] is array
+    with pytest.raises(RequestError, match="item 0: unsupported item type list"):
+        await load([[1, 2]])
+    with pytest.raises(RequestError, match=r"item 0: an image item must be .* \(a list of frames is a video\)"):
+        decode_image(frames, 0, MediaLimits())
