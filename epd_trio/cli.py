@@ -9,7 +9,13 @@ from collections.abc import Sequence
 
 import trio
 
-from epd_trio.config import EncoderConfig, EngineConfig, add_config_arguments, config_from_args
+from epd_trio.config import (
+    BootstrapConfig,
+    EncoderConfig,
+    EngineConfig,
+    add_config_arguments,
+    config_from_args,
+)
 from epd_trio.errors import EPDError
 
 __all__ = ["main"]
@@ -24,9 +30,9 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from epd_trio.demo import run_engine_demo
+    from epd_trio.demo import run_demo
 
-    print(trio.run(run_engine_demo, config_from_args(EngineConfig, args)))
+    print(trio.run(run_demo, config_from_args(EngineConfig, args), args.encoders))
     return 0
 
 
@@ -37,19 +43,29 @@ def _encoder(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve_until_signal(config: EncoderConfig) -> None:
+async def _serve_until_signal(config: EncoderConfig | BootstrapConfig) -> None:
+    """Serve until SIGINT/SIGTERM, then leave the block: a graceful shutdown, exit 0."""
     import signal
 
+    from epd_trio.bootstrap.server import serve_bootstrap
     from epd_trio.encoder.server import serve_encoder
 
+    what, serve = (("encoder", serve_encoder) if isinstance(config, EncoderConfig)
+                   else ("bootstrap", serve_bootstrap))
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with serve_encoder(config) as server:
-            print(f"epd-trio encoder listening on {server.url}", flush=True)
+        async with serve(config) as server:  # type: ignore[operator]
+            print(f"epd-trio {what} listening on {server.url}", flush=True)
             async for signum in signals:
-                logging.getLogger(__name__).info(
-                    "%s: draining (up to %.0f s), then exiting",
-                    signal.Signals(signum).name, server.service.config.drain_timeout)
+                logging.getLogger(__name__).info("%s: shutting the %s down gracefully",
+                                                 signal.Signals(signum).name, what)
                 break
+
+
+def _bootstrap(args: argparse.Namespace) -> int:
+    config = config_from_args(BootstrapConfig, args)
+    logging.getLogger().setLevel(config.log_level.upper())
+    trio.run(_serve_until_signal, config)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,7 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(encoder, EncoderConfig)
     encoder.set_defaults(run=_encoder)
 
-    demo = sub.add_parser("demo", help="encode sample images through the engine, print a table")
+    bootstrap = sub.add_parser("bootstrap", help="serve the bootstrap registry encoders register with "
+                               "and clients discover them from (SIGINT/SIGTERM exit 0)")
+    add_config_arguments(bootstrap, BootstrapConfig)
+    bootstrap.set_defaults(run=_bootstrap)
+
+    demo = sub.add_parser("demo", help="two encoders and a client in one program: encode sample "
+                          "images split across both, check, print a table")
+    demo.add_argument("--encoders", type=int, default=2, help="how many encoders to start")
     add_config_arguments(demo, EngineConfig)
     demo.set_defaults(run=_demo)
     return parser

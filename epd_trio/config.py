@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 __all__ = [
+    "BootstrapConfig",
+    "ClientConfig",
     "EncoderConfig",
     "EngineConfig",
     "add_config_arguments",
@@ -31,8 +33,9 @@ __all__ = [
 C = TypeVar("C")
 
 
-def _opt(default: Any, help: str, **kw: Any) -> Any:
-    return dataclasses.field(default=default, metadata={"help": help, **kw})
+def _opt(default: Any, help: str, *, secret: bool = False, **kw: Any) -> Any:
+    """A config field; a ``secret`` one is kept out of the dataclass's repr (and so out of logs)."""
+    return dataclasses.field(default=default, repr=not secret, metadata={"help": help, **kw})
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,16 @@ class EncoderConfig:
     mooncake_device: str = _opt("", "Mooncake RDMA device names (e.g. mlx5_0), empty for tcp")
     mooncake_host: str | None = _opt(None, "address Mooncake peers reach this encoder at "
                                      "(default: --host, or 127.0.0.1 when that is 0.0.0.0)")
+    register_url: tuple[str, ...] = _opt((), "bootstrap registry URL to register this encoder with "
+                                         "(repeatable; the variable takes a comma-separated list)")
+    advertise_url: str | None = _opt(None, "URL registries and clients reach this encoder at "
+                                     "(default: the bound http://host:port; a wildcard host becomes "
+                                     "this machine's hostname)")
+    heartbeat_interval: float = _opt(30.0, "seconds between re-announcements to each registry "
+                                     "(a restarted registry is refilled within one)")
+    registry_auth_token: str | None = _opt(None, "bearer token for the registries' register and "
+                                           "unregister calls (prefer the variable: flags show in ps)",
+                                           secret=True)
     log_level: str = _opt("INFO", "logging level")
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig, metadata={"nested": True})
 
@@ -105,6 +118,88 @@ class EncoderConfig:
             raise ValueError(f"transfer_backend must be zmq or mooncake, got {self.transfer_backend!r}")
         if self.max_body_bytes < 1 or self.max_items < 1 or self.zmq_max_sockets < 1:
             raise ValueError("max_body_bytes, max_items and zmq_max_sockets must be at least 1")
+        if self.heartbeat_interval <= 0:
+            raise ValueError(f"heartbeat_interval must be > 0, got {self.heartbeat_interval}")
+        _check_token("registry_auth_token", self.registry_auth_token)
+        if isinstance(self.register_url, str):
+            raise ValueError("register_url must be a sequence of URLs, not one string")
+        object.__setattr__(self, "register_url",
+                           tuple(dict.fromkeys(_url(u, "register_url") for u in self.register_url)))
+        if self.advertise_url is not None:
+            object.__setattr__(self, "advertise_url", _url(self.advertise_url, "advertise_url"))
+
+
+@dataclass(frozen=True)
+class BootstrapConfig:
+    """The bootstrap registry: encoders register with it, clients ask it for the healthy ones."""
+
+    host: str = _opt("127.0.0.1", "address to listen on")
+    port: int = _opt(8997, "port to listen on (0 picks a free one)")
+    health_interval: float = _opt(10.0, "seconds between health rounds (GET /health on every encoder, "
+                                  "concurrently)")
+    health_timeout: float = _opt(2.0, "seconds one health probe may take before it counts as missed")
+    max_failures: int = _opt(3, "consecutive missed probes that evict an encoder from the list")
+    evicted_ttl: float = _opt(600.0, "seconds an evicted encoder is still probed (and revived when "
+                              "healthy) before it is forgotten")
+    auth_token: str | None = _opt(None, "bearer token that register and unregister calls must carry "
+                                  "(default: none needed; prefer the variable: flags show in ps)",
+                                  secret=True)
+    log_level: str = _opt("INFO", "logging level")
+
+    def __post_init__(self) -> None:
+        for name in ("health_interval", "health_timeout", "evicted_ttl"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.max_failures < 1:
+            raise ValueError(f"max_failures must be at least 1, got {self.max_failures}")
+        _check_token("auth_token", self.auth_token)
+
+
+def _check_token(name: str, token: str | None) -> None:
+    if token is not None and not (token.isascii() and token.isprintable() and token and " " not in token):
+        raise ValueError(f"{name} must be non-empty printable ASCII without spaces (unset it to disable)")
+
+
+def _url(raw: str, name: str) -> str:
+    from epd_trio.bootstrap.registry import normalize_url
+    from epd_trio.errors import RequestError
+
+    try:
+        return normalize_url(raw, name)
+    except RequestError as exc:
+        raise ValueError(exc.message) from None
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """The encoder client: which encoders, where embeddings arrive, deadlines, pool size."""
+
+    encoder_urls: tuple[str, ...] = _opt((), "encoder base URLs (http://host:port), comma-separated")
+    zmq_bind: str = _opt("tcp://127.0.0.1:0", "where the client's ZMQ PULL socket binds (port 0 picks a free one)")
+    zmq_advertise: str | None = _opt(
+        None, "the endpoint encoders push to (default: the bound one; port 0 here means the bound port)")
+    timeout: float = _opt(60.0, "seconds one encode may take end to end, pool wait included (→ EncodeTimeout)")
+    connect_timeout: float = _opt(5.0, "seconds to connect to an encoder before trying another one")
+    abort_timeout: float = _opt(2.0, "seconds the best-effort /abort of a failed request's other parts may take")
+    pool_bytes: int = _opt(1 << 30, "bytes of the host embedding pool (one buffer, allocated at start)")
+    bootstrap_url: str | None = _opt(None, "a bootstrap registry to discover encoders from "
+                                     "(merged with encoder_urls)")
+    refresh_interval: float = _opt(5.0, "seconds between refreshes of the registry's encoder list "
+                                   "(in the background, never on a request's path)")
+    registry_timeout: float = _opt(2.0, "seconds one registry query may take")
+
+    def __post_init__(self) -> None:
+        for name in ("timeout", "connect_timeout", "abort_timeout", "refresh_interval",
+                     "registry_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.pool_bytes < 1:
+            raise ValueError(f"pool_bytes must be at least 1, got {self.pool_bytes}")
+        for url in self.encoder_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"encoder URL must start with http:// or https://, got {url!r}")
 
 
 def flag_name(field_name: str) -> str:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from epd_trio.config import EncoderConfig, EngineConfig, env_name, flag_name
+from epd_trio.config import BootstrapConfig, EncoderConfig, EngineConfig, env_name, flag_name
 
-COMPONENTS = (EncoderConfig, EngineConfig)
+COMPONENTS = (EncoderConfig, EngineConfig, BootstrapConfig)
 
 
 def table(cls: type) -> str:

@@ -9,18 +9,17 @@ work is done by ``EncoderService``, and every error — ours, Quart's (404, 405,
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from typing import Any
 
 from quart import Response, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException
 
+from epd_trio._http import install_error_handlers, json_error, json_response
 from epd_trio._version import __version__
 from epd_trio.encoder.service import EncoderService
 from epd_trio.encoder.staging import SendOrder
-from epd_trio.errors import EPDError, PayloadTooLargeError, error_body, http_status
+from epd_trio.errors import EPDError
 from epd_trio.protocol.codec import encode_safetensors
 from epd_trio.protocol.requests import (
     parse_abort_request,
@@ -34,14 +33,6 @@ __all__ = ["create_app"]
 log = logging.getLogger(__name__)
 
 SAFETENSORS_MIME = "application/vnd.safetensors"
-
-
-def _json(body: Any, status: int = 200) -> Response:
-    return Response(json.dumps(body), status=status, mimetype="application/json")
-
-
-def _error(exc: BaseException, req_id: str | None = None) -> Response:
-    return _json(error_body(exc, req_id), http_status(exc))
 
 
 async def _body() -> dict[str, Any]:
@@ -59,7 +50,7 @@ def create_app(service: EncoderService) -> QuartTrio:
     app.config["MAX_CONTENT_LENGTH"] = service.config.max_body_bytes
     app.config["BODY_TIMEOUT"] = service.config.request_timeout
     _routes(app, service)
-    _error_handlers(app)
+    install_error_handlers(app, "encoder")
     return app
 
 
@@ -71,7 +62,7 @@ def _routes(app: QuartTrio, service: EncoderService) -> None:
             req = parse_encode_request(body, max_items=service.config.max_items)
             answer = await service.encode(req)
         except EPDError as exc:
-            return _error(exc, _peek_req_id(body))
+            return json_error(exc, _peek_req_id(body))
         if req.deliver.backend == "inline":
             data = encode_safetensors(answer.embedding, {
                 "req_id": req.req_id, "part_idx": req.part_idx, "num_parts": req.num_parts,
@@ -81,7 +72,7 @@ def _routes(app: QuartTrio, service: EncoderService) -> None:
         meta = dataclasses.asdict(answer.meta())
         if req.deliver.backend == "mooncake":
             meta["nbytes"] = answer.nbytes
-        return _json(meta)
+        return json_response(meta)
 
     @app.post("/send")
     async def send() -> Response:
@@ -91,51 +82,28 @@ def _routes(app: QuartTrio, service: EncoderService) -> None:
             order = SendOrder(req.session, req.buffer_address, req.buffer_length)
             nbytes = await service.send(req.req_id, req.part_idx, order)
         except EPDError as exc:
-            return _error(exc, _peek_req_id(body))
-        return _json({"req_id": req.req_id, "part_idx": req.part_idx, "nbytes": nbytes})
+            return json_error(exc, _peek_req_id(body))
+        return json_response({"req_id": req.req_id, "part_idx": req.part_idx, "nbytes": nbytes})
 
     @app.post("/abort")
     async def abort() -> Response:
         req = parse_abort_request(await _body())
-        return _json({"req_id": req.req_id, "aborted": service.abort(req.req_id, req.part_idx)})
+        return json_response({"req_id": req.req_id, "aborted": service.abort(req.req_id, req.part_idx)})
 
     @app.get("/health")
     async def health() -> Response:
         if service.draining:
-            return _json({"status": "draining"}, 503)
+            return json_response({"status": "draining"}, 503)
         report = await service.health.check()
         status = "ok" if report.healthy else "unhealthy"
-        return _json({"status": status, "probed": report.probed, "detail": report.detail},
+        return json_response({"status": status, "probed": report.probed, "detail": report.detail},
                      200 if report.healthy else 503)
 
     @app.get("/model_info")
     async def model_info() -> Response:
         info = dataclasses.asdict(service.engine.model_info)
-        return _json({**info, "modalities": list(info["modalities"]), "version": __version__})
+        return json_response({**info, "modalities": list(info["modalities"]), "version": __version__})
 
     @app.get("/stats")
     async def stats() -> Response:
-        return _json(service.statistics())
-
-
-def _error_handlers(app: QuartTrio) -> None:
-    @app.errorhandler(EPDError)
-    async def epd_error(exc: EPDError) -> Response:
-        return _error(exc)
-
-    @app.errorhandler(HTTPException)
-    async def http_error(exc: HTTPException) -> Response:
-        if exc.code == 413:
-            # The body was refused unread: the connection cannot carry another
-            # request (its leftover bytes would be taken for one), so close it.
-            response = _error(PayloadTooLargeError("request body is over the size limit"))
-            response.headers["Connection"] = "close"
-            return response
-        body = {"error": {"type": exc.name.replace(" ", ""), "message": exc.description or exc.name},
-                "req_id": None}
-        return _json(body, exc.code or 500)
-
-    @app.errorhandler(Exception)
-    async def bug(exc: Exception) -> Response:
-        log.exception("unhandled error in a handler")
-        return _error(exc)
+        return json_response(service.statistics())

@@ -1,10 +1,13 @@
 """Serving the encoder over HTTP with Hypercorn's trio worker.
 
 ``serve_encoder(config)`` is an ``async with`` block: the engine, the service
-and the HTTP server live exactly as long as it. Leaving it shuts down in the
-order that loses nothing: stop admitting (503) and let live requests finish
-within ``drain_timeout`` while HTTP still answers, then stop Hypercorn, then
-cancel what is left, then unload the engine.
+and the HTTP server live exactly as long as it. Once Hypercorn is bound (so the
+advertised URL is real) the encoder registers with each ``register_url``
+registry and keeps re-announcing itself. Leaving the block shuts down in the
+order that loses nothing: unregister (so registries stop routing new work
+here), stop admitting (503) and let live requests finish within
+``drain_timeout`` while HTTP still answers, then stop Hypercorn, then cancel
+what is left, then unload the engine.
 """
 
 from __future__ import annotations
@@ -12,18 +15,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
-import hypercorn.config
 import hypercorn.trio
 import trio
 
+from epd_trio.bootstrap.registration import Registration, open_registration
+from epd_trio.bootstrap.registry import normalize_url
+from epd_trio._http import hypercorn_config
 from epd_trio.config import EncoderConfig
 from epd_trio.encoder.app import create_app
 from epd_trio.encoder.service import EncoderService, open_encoder_service
 from epd_trio.engine import open_engine
+from epd_trio.errors import RequestError
 
 __all__ = ["EncoderServer", "run_encoder", "serve_encoder"]
 
@@ -36,23 +44,15 @@ _HTTP_GRACE = 2.0
 
 @dataclass(frozen=True)
 class EncoderServer:
-    url: str
+    url: str  # where Hypercorn is bound
     service: EncoderService
+    advertise_url: str  # what registries are told (``--advertise-url``, or derived from ``url``)
+    registration: Registration | None = None  # None without ``register_url``
     _stop: trio.Event = dataclasses.field(default_factory=trio.Event, repr=False)
 
     def shutdown(self) -> None:
         """Ask ``run_encoder`` for a graceful shutdown (drain, then stop)."""
         self._stop.set()
-
-
-def hypercorn_config(config: EncoderConfig) -> hypercorn.config.Config:
-    hc = hypercorn.config.Config()
-    host = f"[{config.host}]" if ":" in config.host else config.host
-    hc.bind = [f"{host}:{config.port}"]
-    hc.graceful_timeout = _HTTP_GRACE
-    hc.accesslog = None
-    hc.errorlog = logging.getLogger("hypercorn.error")
-    return hc
 
 
 @asynccontextmanager
@@ -63,16 +63,39 @@ async def serve_encoder(config: EncoderConfig) -> AsyncIterator[EncoderServer]:
             trio.open_nursery() as nursery:
         stop = trio.Event()
         serve = functools.partial(hypercorn.trio.serve, create_app(service),
-                                  hypercorn_config(config), shutdown_trigger=stop.wait)
+                                  hypercorn_config(config.host, config.port, _HTTP_GRACE), shutdown_trigger=stop.wait)
         urls = await nursery.start(serve)
-        server = EncoderServer(url=urls[0], service=service)
-        log.info("encoder %s serving on %s", engine.model_info.model_type, server.url)
+        advertise = advertised_url(config, urls[0])
+        log.info("encoder %s serving on %s", engine.model_info.model_type, urls[0])
         try:
-            yield server
+            async with open_registration(config.register_url, advertise,
+                                         heartbeat_interval=config.heartbeat_interval,
+                                         auth_token=config.registry_auth_token) as registration:
+                yield EncoderServer(url=urls[0], service=service, advertise_url=advertise,
+                                    registration=registration if config.register_url else None)
+            # Leaving that block unregistered us (shielded, bounded) before the drain.
         finally:
             with trio.CancelScope(shield=True):  # bounded by drain_timeout
                 await service.drain()
             stop.set()
+
+
+def advertised_url(config: EncoderConfig, bound_url: str) -> str:
+    """``config.advertise_url``, else the bound URL with a wildcard host replaced by
+    this machine's hostname (other hosts cannot reach ``0.0.0.0``)."""
+    if config.advertise_url:
+        return config.advertise_url
+    parts = urlsplit(bound_url)
+    host = parts.hostname or ""
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.gethostname()
+    netloc = f"[{host}]:{parts.port}" if ":" in host else f"{host}:{parts.port}"
+    try:
+        return normalize_url(f"{parts.scheme}://{netloc}", "advertise_url")
+    except RequestError as exc:
+        if config.register_url:
+            raise ValueError(f"{exc.message}; pass --advertise-url") from None
+        return bound_url
 
 
 async def run_encoder(config: EncoderConfig, *,

@@ -1,0 +1,68 @@
+"""HTTP plumbing shared by the encoder and the registry (quart-trio on Hypercorn).
+
+One JSON response helper, one set of error handlers (every error leaves in the
+protocol's JSON shape with its status from ``epd_trio.errors.http_status``;
+never a traceback, never HTML) and one Hypercorn configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import hypercorn.config
+from quart import Response
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from epd_trio.errors import EPDError, PayloadTooLargeError, UnauthorizedError, error_body, http_status
+
+__all__ = ["hypercorn_config", "install_error_handlers", "json_error", "json_response"]
+
+log = logging.getLogger(__name__)
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(json.dumps(body), status=status, mimetype="application/json")
+
+
+def json_error(exc: BaseException, req_id: str | None = None) -> Response:
+    response = json_response(error_body(exc, req_id), http_status(exc))
+    if isinstance(exc, UnauthorizedError):
+        response.headers["WWW-Authenticate"] = 'Bearer realm="epd-trio"'
+    return response
+
+
+def install_error_handlers(app: QuartTrio, what: str) -> None:
+    """Ours, Quart's (404, 405, 413) and bugs, all as JSON errors."""
+
+    @app.errorhandler(EPDError)
+    async def epd_error(exc: EPDError) -> Response:
+        return json_error(exc)
+
+    @app.errorhandler(HTTPException)
+    async def http_error(exc: HTTPException) -> Response:
+        if exc.code == 413:
+            # The body was refused unread: the connection cannot carry another
+            # request (its leftover bytes would be taken for one), so close it.
+            response = json_error(PayloadTooLargeError("request body is over the size limit"))
+            response.headers["Connection"] = "close"
+            return response
+        body = {"error": {"type": exc.name.replace(" ", ""), "message": exc.description or exc.name},
+                "req_id": None}
+        return json_response(body, exc.code or 500)
+
+    @app.errorhandler(Exception)
+    async def bug(exc: Exception) -> Response:
+        log.exception("unhandled error in a %s handler", what)
+        return json_error(exc)
+
+
+def hypercorn_config(host: str, port: int, graceful_timeout: float) -> hypercorn.config.Config:
+    hc = hypercorn.config.Config()
+    hc.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    hc.graceful_timeout = graceful_timeout
+    hc.accesslog = None
+    hc.errorlog = logging.getLogger("hypercorn.error")
+    return hc
