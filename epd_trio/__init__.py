@@ -4,7 +4,16 @@ This module is the public API; everything else is private to the package.
 """
 
 from epd_trio._version import __version__
-from epd_trio.config import EncoderConfig, EngineConfig
+from epd_trio.bootstrap.server import BootstrapServer, run_bootstrap, serve_bootstrap
+from epd_trio.client import (
+    EmbeddingPool,
+    EncodedRequest,
+    EncoderClient,
+    ItemEmbedding,
+    RemoteEncodeError,
+    open_encoder_client,
+)
+from epd_trio.config import BootstrapConfig, ClientConfig, EncoderConfig, EngineConfig
 from epd_trio.encoder.server import EncoderServer, run_encoder, serve_encoder
 from epd_trio.engine import EncodeOutput, Engine, EngineStatistics, ModelInfo, open_engine
 from epd_trio.errors import (
@@ -31,17 +40,24 @@ from epd_trio.model.tiny import TinySpec, make_tiny_model
 
 __all__ = [
     "AbortedError",
+    "BootstrapConfig",
+    "BootstrapServer",
+    "ClientConfig",
     "DeadlineExceeded",
     "DuplicateRequestError",
     "EPDError",
+    "EmbeddingPool",
     "EncodeError",
     "EncodeOutput",
     "EncodeTimeout",
+    "EncodedRequest",
+    "EncoderClient",
     "EncoderConfig",
     "EncoderServer",
     "Engine",
     "EngineConfig",
     "EngineStatistics",
+    "ItemEmbedding",
     "ModelInfo",
     "ModelLoadError",
     "NotReadyError",
@@ -49,6 +65,7 @@ __all__ = [
     "PayloadTooLargeError",
     "PeerUnavailable",
     "ProtocolError",
+    "RemoteEncodeError",
     "RequestError",
     "TinySpec",
     "TransferTimeout",
@@ -57,7 +74,10 @@ __all__ = [
     "UnknownRequestError",
     "WorkerDeadError",
     "make_tiny_model",
+    "open_encoder_client",
     "open_engine",
+    "run_bootstrap",
     "run_encoder",
+    "serve_bootstrap",
     "serve_encoder",
 ]

@@ -91,7 +91,7 @@ class Engine:
         self.encoder = encoder
         self.media = media
         self.worker = EncoderWorker(encoder)
-        self.preprocessor = EncoderPreprocessor(encoder.adapter, encoder.processor, media.limits)
+        self.preprocessor = EncoderPreprocessor(encoder.adapter, encoder.processors, media.limits)
         self.scheduler = Scheduler(
             self.worker.forward,
             BatchPolicy(config.max_batch_size, config.max_batch_tokens, config.coalesce_delay),

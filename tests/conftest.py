@@ -28,6 +28,11 @@ TEST_SPECS = {
                            out_hidden=40, seed=7),
     "qwen2_vl": TinySpec(arch="qwen2_vl", vision_hidden=48, vision_depth=3, vision_heads=4,
                          out_hidden=40, seed=11),
+    "qwen3_vl": TinySpec(arch="qwen3_vl", vision_hidden=48, vision_depth=3, vision_heads=4,
+                         out_hidden=40, seed=13, patch_size=14, position_embeddings=36,
+                         deepstack_indexes=(0, 1)),
+    "qwen2_audio": TinySpec(arch="qwen2_audio", vision_hidden=40, vision_depth=2, vision_heads=4,
+                            out_hidden=40, seed=17, mel_bins=80, window_seconds=5),
 }
 
 

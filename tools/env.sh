@@ -8,14 +8,22 @@ if [ ! -x "$VENV/bin/python" ]; then
     echo "creating virtual environment in $VENV" >&2
     "$PYTHON" -m venv "$VENV"
 fi
+# Extras beside [test]: by default the CPU build of the Mooncake transfer
+# engine, unless a mooncake module (e.g. the CUDA build) is already installed —
+# the two must never be installed together. EPD_EXTRAS overrides ("" = none).
+if [ -z "${EPD_EXTRAS+set}" ]; then
+    if "$VENV/bin/python" -c "import mooncake" >/dev/null 2>&1; then EPD_EXTRAS=""; else EPD_EXTRAS="mooncake-cpu"; fi
+fi
 STAMP="$VENV/.epd-trio-installed"
-WANT="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+WANT="$( (cat "$ROOT/pyproject.toml"; echo "$EPD_EXTRAS") | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
-    echo "installing epd-trio and its dependencies into $VENV (torch is large: a few minutes)" >&2
+    echo "installing epd-trio[test${EPD_EXTRAS:+,$EPD_EXTRAS}] into $VENV (torch is large: a few minutes)" >&2
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
     "$VENV/bin/python" -m pip install --quiet -e "$ROOT[test${EPD_EXTRAS:+,$EPD_EXTRAS}]"
     echo "$WANT" > "$STAMP"
 fi
+# Mooncake's glog: errors only (it reports "No RDMA devices found" and the like at start).
+export GLOG_minloglevel="${GLOG_minloglevel:-2}"
 export PATH="$VENV/bin:$PATH"
 # Nothing is ever downloaded from a model hub: models are local checkpoints
 # or the generated tiny one.

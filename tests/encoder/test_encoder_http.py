@@ -200,7 +200,7 @@ async def test_model_info_and_stats(encoder: Any) -> None:
         info = (await http.get("/model_info")).json()
         await http.post("/encode", json=encode_body())
         s = await stats(http)
-    assert info["model_type"] == "qwen2_5_vl" and info["modalities"] == ["image"]
+    assert info["model_type"] == "qwen2_5_vl" and info["modalities"] == ["image", "video"]
     assert info["max_batch_size"] == 3 and info["dim"] == 40 and info["version"]
     for key in ("live_requests", "queued", "requests_done", "batches_run", "errors"):
         assert key in s

@@ -1,0 +1,442 @@
+"""``EncoderClient``: split a request over encoders, gather the parts, stitch them.
+
+One client owns one HTTP client, one PULL socket (where every encoder pushes
+its embeddings), a demultiplexing task that hands each message to the part
+waiting for it by ``(req_id, part_idx)``, and the ``EmbeddingPool``.
+
+A request is one ``req_id`` and several parts (see ``routing``). Its parts run
+as sibling tasks under one cancel scope; the first failure (an encoder's HTTP
+error, a ZMQ ``error`` message, an unreachable encoder) is recorded and
+cancels the rest. Whatever ends a request early — failure, deadline, the
+caller's cancellation, the client closing — the parts an encoder may still be
+working on are aborted there (best effort, shielded, short deadline), and the
+request leaves nothing behind: ``statistics()`` proves it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import uuid
+from collections.abc import Mapping, Sequence
+from contextlib import AsyncExitStack, aclosing
+from dataclasses import dataclass
+from types import MappingProxyType, TracebackType
+from typing import Any, Final
+
+import httpx
+import torch
+import trio
+from trio_util import periodic
+
+from epd_trio.bootstrap.discovery import fetch_encoder_urls
+from epd_trio.client.answers import (
+    check_message,
+    http_error,
+    parse_meta,
+    zmq_error,
+)
+from epd_trio.client.items import is_heavy, to_wire_items
+from epd_trio.client.pool import EmbeddingPool, PoolStatistics
+from epd_trio.client.result import EncodedRequest, PartReport, ReceivedPart, copy_parts, plan_layout
+from epd_trio.client.routing import Part, pick_fallback, plan_parts
+from epd_trio.config import ClientConfig
+from epd_trio.errors import (
+    AbortedError,
+    DuplicateRequestError,
+    EncodeTimeout,
+    EPDError,
+    PeerUnavailable,
+    ProtocolError,
+    RequestError,
+    TransportError,
+)
+from epd_trio.protocol.messages import EmbeddingHeader, validate_req_id
+from epd_trio.protocol.requests import EncodeMeta
+from epd_trio.transport.zmq import PullReceiver, validate_endpoint
+
+__all__ = [
+    "ClientStatistics",
+    "EncoderClient",
+    "advertised_endpoint",
+    "open_encoder_client",
+]
+
+log = logging.getLogger(__name__)
+
+# Copying this much (~2 ms at memcpy speed) is worth a thread hop off the trio loop.
+_COPY_IN_THREAD_BYTES: Final = 16 << 20
+
+
+@dataclass(frozen=True)
+class ClientStatistics:
+    encoders: tuple[str, ...]
+    outstanding: Mapping[str, int]  # parts in flight per encoder
+    requests_live: int
+    parts_live: int  # parts registered with the demultiplexer
+    requests_done: int
+    requests_failed: int
+    retries: int  # parts moved to another encoder after a connect error
+    messages_received: int
+    messages_dropped: int  # for no live part (late, duplicate or unknown)
+    malformed_messages: int  # dropped by the PULL receiver
+    aborts_sent: int
+    aborts_failed: int
+    refresh_failures: int  # registry queries that failed (the last list was kept)
+    pool: PoolStatistics
+
+
+@dataclass(eq=False)
+class _PartState:
+    part: Part
+    encoder_url: str  # where it is (or was last) posted; differs from the plan after a retry
+    arrived: trio.Event = dataclasses.field(default_factory=trio.Event)
+    message: tuple[EmbeddingHeader, torch.Tensor | None] | None = None
+    posted: bool = False  # an /encode may have reached encoder_url
+    answered: bool = False  # the encoder is done with it: an HTTP answer or a ZMQ error
+    settled: bool = False  # no longer counted as outstanding
+    started: float = 0.0  # trio.current_time() of the first post
+    finished: float = 0.0  # when its embedding arrived
+
+
+@dataclass(eq=False)
+class _LiveRequest:
+    req_id: str
+    wire: dict[str, list[str]]
+    parts: list[_PartState]
+    scope: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope)
+    failure: EPDError | None = None
+
+    def fail(self, exc: EPDError) -> None:
+        """The first failure wins and cancels everything the request still does."""
+        if self.failure is None:
+            self.failure = exc
+        self.scope.cancel()
+
+
+def advertised_endpoint(bound: str, advertise: str | None) -> str:
+    """The endpoint encoders push to: ``advertise`` (port 0 = the bound port) or ``bound``."""
+    if not advertise:
+        return bound
+    if advertise.startswith("tcp://") and advertise.endswith(":0") and bound.startswith("tcp://"):
+        advertise = advertise[:-1] + bound.rsplit(":", 1)[1]
+    return validate_endpoint(advertise)
+
+
+class EncoderClient:
+    """The receiver side of EPD; build with ``open_encoder_client``, use in ``async with``."""
+
+    def __init__(self, config: ClientConfig, *,
+                 http_transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.config = config
+        self._static = tuple(dict.fromkeys(u.rstrip("/") for u in config.encoder_urls))
+        self.encoders: tuple[str, ...] = self._static  # replaced whole: requests keep their snapshot
+        self.pool = EmbeddingPool(config.pool_bytes)
+        self.endpoint = ""  # advertised to encoders; set once open
+        self._transport = http_transport
+        self._http: httpx.AsyncClient | None = None
+        self._pull: PullReceiver | None = None
+        self._stack = AsyncExitStack()
+        self._closed = False
+        self._drained: trio.Event | None = None  # set when the last request is gone, on close
+        self._outstanding = dict.fromkeys(self.encoders, 0)
+        self._requests: dict[str, _LiveRequest] = {}
+        self._parts: dict[tuple[str, int], _PartState] = {}
+        self._counts = dict(requests_done=0, requests_failed=0, retries=0, messages_received=0,
+                            messages_dropped=0, aborts_sent=0, aborts_failed=0,
+                            refresh_failures=0)
+
+    # ---- lifecycle ----------------------------------------------------------
+    async def __aenter__(self) -> EncoderClient:
+        if self._closed or self._http is not None:
+            raise RuntimeError("an EncoderClient can be opened once")
+        try:
+            self._pull = await self._stack.enter_async_context(PullReceiver(self.config.zmq_bind))
+            self.endpoint = advertised_endpoint(self._pull.last_endpoint, self.config.zmq_advertise)
+            timeout = httpx.Timeout(None, connect=self.config.connect_timeout)  # deadlines are ours
+            self._http = await self._stack.enter_async_context(
+                httpx.AsyncClient(timeout=timeout, transport=self._transport))
+            nursery = await self._stack.enter_async_context(trio.open_nursery())
+            nursery.start_soon(self._demux, self._pull)
+            if self.config.bootstrap_url:
+                await nursery.start(self._refresh_loop)  # the first list before any request
+            self._stack.callback(nursery.cancel_scope.cancel)  # runs before the nursery exits
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        # The body's exception is not passed to the nursery, so it is not wrapped in a group.
+        self._closed = True
+        if self._requests:
+            # Requests still running in other tasks fail now; give them the time their
+            # /abort calls need before the HTTP client goes (shielded, bounded).
+            self._drained = trio.Event()
+            for req in list(self._requests.values()):
+                req.fail(AbortedError("the encoder client was closed", req_id=req.req_id))
+            with trio.CancelScope(shield=True), trio.move_on_after(self.config.abort_timeout + 1):
+                await self._drained.wait()
+        await self._stack.aclose()
+
+    # ---- the public API -----------------------------------------------------
+    async def encode(self, items: Mapping[str, Sequence[Any]], *, timeout: float | None = None,
+                     req_id: str | None = None) -> EncodedRequest:
+        """Encode ``{"image": [...], "video": [...], "audio": [...]}`` on the encoders.
+
+        Items are bytes, ``data:``/``http(s)`` URL strings or PIL images. The
+        result holds a pool slot: use ``async with await client.encode(...)``.
+        Raises ``EncodeError`` (an encoder failed), ``EncodeTimeout``
+        (``timeout``, default ``config.timeout``, passed), ``PeerUnavailable``
+        (no encoder reachable), ``RequestError`` (bad items or too big for the pool).
+        """
+        self._require_open()
+        limit = self.config.timeout if timeout is None else timeout
+        deadline = trio.current_time() + limit
+        wire = await trio.to_thread.run_sync(to_wire_items, items) if is_heavy(items) \
+            else to_wire_items(items)
+        req = self._register(req_id, wire)
+        try:
+            with trio.move_on_at(deadline):
+                result = await self._complete(req)
+                self._counts["requests_done"] += 1
+                return result
+            raise EncodeTimeout(f"request {req.req_id} was not encoded within {limit:g} s",
+                                req_id=req.req_id)
+        except BaseException:
+            self._counts["requests_failed"] += 1
+            await self._abort_unanswered(req)
+            raise
+        finally:
+            self._unregister(req)
+
+    def statistics(self) -> ClientStatistics:
+        pull = self._pull.statistics().dropped if self._pull is not None else 0
+        return ClientStatistics(
+            encoders=self.encoders, outstanding=MappingProxyType(dict(self._outstanding)),
+            requests_live=len(self._requests), parts_live=len(self._parts),
+            malformed_messages=pull, pool=self.pool.statistics(), **self._counts,
+        )
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        return (
+            f"<EncoderClient {len(s.encoders)} encoders, {s.requests_live} requests live"
+            f" ({sum(s.outstanding.values())} parts out), done {s.requests_done},"
+            f" failed {s.requests_failed}, dropped messages {s.messages_dropped}; {self.pool!r}>"
+        )
+
+    # ---- one request --------------------------------------------------------
+    def _register(self, req_id: str | None, wire: dict[str, list[str]]) -> _LiveRequest:
+        """Plan the parts and make them findable by the demultiplexer (synchronously)."""
+        self._require_open()  # the client may have closed while the items were converted
+        if not self.encoders:
+            raise PeerUnavailable("no encoder is available (no static URL, none healthy in the registry)")
+        req_id = f"epd-{uuid.uuid4().hex}" if req_id is None else req_id
+        try:
+            validate_req_id(req_id)
+        except ProtocolError as exc:
+            raise RequestError(exc.message) from None
+        if req_id in self._requests:
+            raise DuplicateRequestError(f"request {req_id!r} is already live", req_id=req_id)
+        plan = plan_parts({m: len(v) for m, v in wire.items()}, self.encoders, self._outstanding)
+        req = _LiveRequest(req_id, wire, [_PartState(p, p.encoder_url) for p in plan])
+        self._requests[req_id] = req
+        for state in req.parts:
+            self._parts[(req_id, state.part.part_idx)] = state
+            self._outstanding[state.encoder_url] += 1
+        return req
+
+    def _unregister(self, req: _LiveRequest) -> None:
+        for state in req.parts:
+            self._settle(state)
+            del self._parts[(req.req_id, state.part.part_idx)]
+        del self._requests[req.req_id]
+        if not self._requests and self._drained is not None:
+            self._drained.set()
+
+    def _settle(self, state: _PartState) -> None:
+        if not state.settled:
+            state.settled = True
+            self._outstanding[state.encoder_url] -= 1
+
+    async def _complete(self, req: _LiveRequest) -> EncodedRequest:
+        """Run the parts, then copy them into one pool slot; raises the first failure."""
+        with req.scope:
+            async with trio.open_nursery() as nursery:
+                for state in req.parts:
+                    nursery.start_soon(self._run_part, req, state)
+            if req.failure is None:
+                return await self._assemble(req)
+        assert req.failure is not None  # only fail() cancels req.scope
+        raise req.failure
+
+    async def _assemble(self, req: _LiveRequest) -> EncodedRequest:
+        received = []
+        for state in req.parts:
+            assert state.message is not None and state.message[1] is not None
+            received.append(ReceivedPart(state.part, *state.message))  # type: ignore[arg-type]
+        layouts, nbytes = plan_layout(received)
+        slot = await self.pool.acquire(nbytes)
+        try:
+            if nbytes >= _COPY_IN_THREAD_BYTES:
+                embeddings = await trio.to_thread.run_sync(copy_parts, slot, layouts)
+            else:
+                embeddings = copy_parts(slot, layouts)
+            reports = tuple(PartReport(st.part.part_idx, st.part.modality, st.encoder_url,
+                                       st.part.item_indices, st.finished - st.started)
+                            for st in req.parts)
+            return EncodedRequest(req.req_id, slot, layouts, embeddings, reports)
+        except BaseException:
+            slot.release()
+            raise
+
+    # ---- one part -------------------------------------------------------------
+    async def _run_part(self, req: _LiveRequest, state: _PartState) -> None:
+        try:
+            state.started = trio.current_time()
+            meta = await self._post(req, state)
+            await state.arrived.wait()  # bounded by the request's deadline
+            state.finished = trio.current_time()
+            assert state.message is not None
+            header = state.message[0]
+            if header.kind == "embedding":  # an error one has already failed the request
+                check_message(header, meta, state.part.modality, len(state.part.item_indices),
+                              state.encoder_url)
+        except EPDError as exc:
+            req.fail(exc)
+        finally:
+            self._settle(state)
+
+    async def _post(self, req: _LiveRequest, state: _PartState) -> EncodeMeta:
+        """POST /encode; on a connect error move the part to another encoder."""
+        part, http = state.part, self._require_open()
+        body = {
+            "req_id": req.req_id, "modality": part.modality,
+            "mm_items": [req.wire[part.modality][i] for i in part.item_indices],
+            "num_parts": len(req.parts), "part_idx": part.part_idx,
+            "deliver": {"backend": "zmq", "endpoint": self.endpoint},
+        }
+        tried: list[str] = []
+        while True:
+            state.posted = True
+            try:
+                response = await http.post(f"{state.encoder_url}/encode", json=body)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                state.posted = False  # it never reached that encoder
+                tried.append(state.encoder_url)
+                self._move(state, pick_fallback(self.encoders, self._outstanding, tried), exc)
+                continue
+            except httpx.HTTPError as exc:
+                raise PeerUnavailable(f"{state.encoder_url} failed part {part.part_idx} of"
+                                      f" {req.req_id}: {type(exc).__name__}: {exc}",
+                                      req_id=req.req_id) from None
+            state.answered = True
+            if response.status_code != 200:
+                raise http_error(response, req.req_id, state.encoder_url, part.part_idx)
+            return parse_meta(response, req.req_id, part.part_idx, len(req.parts))
+
+    def _move(self, state: _PartState, fallback: str | None, exc: Exception) -> None:
+        if fallback is None:
+            raise PeerUnavailable(
+                f"no encoder reachable for part {state.part.part_idx}: {state.encoder_url}:"
+                f" {type(exc).__name__}: {exc}")
+        log.warning("encoder %s unreachable (%s); part %d moves to %s",
+                    state.encoder_url, exc, state.part.part_idx, fallback)
+        self._outstanding[state.encoder_url] -= 1
+        self._outstanding[fallback] += 1
+        state.encoder_url = fallback
+        self._counts["retries"] += 1
+
+    # ---- clean-up ---------------------------------------------------------------
+    async def _abort_unanswered(self, req: _LiveRequest) -> None:
+        """Tell encoders to drop the parts they may still work on (best effort)."""
+        targets = [s for s in req.parts if s.posted and not s.answered]
+        if not targets or self._http is None:
+            return
+        with trio.CancelScope(shield=True) as scope:
+            scope.deadline = trio.current_time() + self.config.abort_timeout
+            async with trio.open_nursery() as nursery:
+                for state in targets:
+                    nursery.start_soon(self._abort_one, self._http, req.req_id, state)
+
+    async def _abort_one(self, http: httpx.AsyncClient, req_id: str, state: _PartState) -> None:
+        body = {"req_id": req_id, "part_idx": state.part.part_idx}
+        try:
+            response = await http.post(f"{state.encoder_url}/abort", json=body)
+        except (httpx.HTTPError, RuntimeError) as exc:  # RuntimeError: the client is closed
+            self._counts["aborts_failed"] += 1
+            log.info("could not abort %s part %d on %s: %s", req_id, state.part.part_idx,
+                     state.encoder_url, exc)
+            return
+        # 404: the encoder had already finished with it, which is fine too.
+        self._counts["aborts_sent" if response.status_code in (200, 404) else "aborts_failed"] += 1
+
+    # ---- the demultiplexer ----------------------------------------------------
+    async def _demux(self, pull: PullReceiver) -> None:
+        """Hand each message to its part at once, so the socket never backs up."""
+        async for header, tensor in pull:
+            self._counts["messages_received"] += 1
+            state = self._parts.get((header.req_id, header.part_idx))
+            if state is None or state.message is not None:
+                self._counts["messages_dropped"] += 1
+                log.debug("dropped a message for %s part %d: no part waits for it",
+                          header.req_id, header.part_idx)
+                continue
+            state.message = (header, tensor)
+            if header.kind == "error":
+                state.answered = True  # the encoder is done with it
+                self._requests[header.req_id].fail(zmq_error(header, state.encoder_url))
+            state.arrived.set()
+
+    # ---- discovery ------------------------------------------------------------------
+    async def _refresh_loop(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Follow the registry's list in the background; requests never wait for it."""
+        async with aclosing(periodic(self.config.refresh_interval)) as ticks:
+            async for _ in ticks:
+                await self._refresh_encoders()
+                task_status.started()
+                task_status = trio.TASK_STATUS_IGNORED
+
+    async def _refresh_encoders(self) -> None:
+        assert self.config.bootstrap_url is not None
+        try:
+            found = await fetch_encoder_urls(self._require_open(), self.config.bootstrap_url,
+                                             self.config.registry_timeout)
+        except TransportError as exc:  # keep the last list: a registry hiccup is not an outage
+            self._counts["refresh_failures"] += 1
+            log.warning("encoder list not refreshed: %s", exc)
+            return
+        self._set_encoders((*self._static, *found))
+
+    def _set_encoders(self, urls: Sequence[str]) -> None:
+        encoders = tuple(dict.fromkeys(u.rstrip("/") for u in urls))
+        if encoders != self.encoders:
+            log.info("encoders now: %s", ", ".join(encoders) or "none")
+        self.encoders = encoders
+        # Keep counts of encoders that left while parts are still out there.
+        self._outstanding = {**{u: n for u, n in self._outstanding.items() if n},
+                             **{u: self._outstanding.get(u, 0) for u in encoders}}
+
+    def _require_open(self) -> httpx.AsyncClient:
+        if self._closed:
+            raise trio.ClosedResourceError("the encoder client is closed")
+        if self._http is None:
+            raise RuntimeError("use the encoder client in an 'async with' block")
+        return self._http
+
+
+def open_encoder_client(config: ClientConfig | None = None, *,
+                        http_transport: httpx.AsyncBaseTransport | None = None,
+                        **overrides: Any) -> EncoderClient:
+    """``async with open_encoder_client(config) as client:`` — config fields may be overridden.
+
+    ``http_transport`` replaces httpx's network transport (tests use a MockTransport).
+    """
+    config = config or ClientConfig()
+    if "encoder_urls" in overrides:
+        overrides["encoder_urls"] = tuple(overrides["encoder_urls"])
+    if overrides:
+        config = dataclasses.replace(config, **overrides)
+    return EncoderClient(config, http_transport=http_transport)
