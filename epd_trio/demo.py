@@ -38,25 +38,29 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 
 async def run_demo(engine_config: EngineConfig, encoders: int = 2) -> str:
-    """Two (or more) encoders and a client in one trio program: encode, check, report.
+    """A registry, encoders and a client in one trio program: discover, encode, check.
 
-    The client splits the sample images over the encoders, the parts come back
-    over ZMQ and are stitched in one pool slot; the result is checked against
-    a local engine encode of the same images.
+    The encoders register themselves with the registry; the client discovers
+    them there, splits the sample images over them, gathers the parts over ZMQ
+    and stitches them in one pool slot; the result is checked against a local
+    engine encode of the same images.
     """
     from contextlib import AsyncExitStack
 
-    from epd_trio.client import ClientConfig, open_encoder_client
-    from epd_trio.config import EncoderConfig
+    from epd_trio.bootstrap.server import serve_bootstrap
+    from epd_trio.client import open_encoder_client
+    from epd_trio.config import BootstrapConfig, ClientConfig, EncoderConfig
     from epd_trio.encoder.server import serve_encoder
 
     images = sample_images()
     async with AsyncExitStack() as stack:
-        servers = [await stack.enter_async_context(
-            serve_encoder(EncoderConfig(port=0, engine=engine_config))) for _ in range(encoders)]
+        registry = await stack.enter_async_context(serve_bootstrap(BootstrapConfig(port=0)))
+        servers = [await stack.enter_async_context(serve_encoder(EncoderConfig(
+            port=0, engine=engine_config, register_url=(registry.url,)))) for _ in range(encoders)]
+        await _until_registered(registry, encoders)
         local = await stack.enter_async_context(open_engine(engine_config))
         client = await stack.enter_async_context(open_encoder_client(
-            ClientConfig(encoder_urls=tuple(s.url for s in servers))))
+            ClientConfig(bootstrap_url=registry.url)))
         started = time.perf_counter()
         async with await client.encode({"image": images}) as result:
             total = time.perf_counter() - started
@@ -64,22 +68,35 @@ async def run_demo(engine_config: EngineConfig, encoders: int = 2) -> str:
             stitched = result.embeddings["image"]
             err = ((stitched - expected.embedding).norm() / expected.embedding.norm()).item()
             ok = stitched.shape == expected.embedding.shape and err < 1e-4
-            encoder_of = {i: p for p in result.parts for i in p.item_indices}
-            rows = [{"item": i, "image": "x".join(map(str, SAMPLE_SIZES[i])),
-                     "encoder": encoder_of[i].encoder_url.removeprefix("http://"),
-                     "part": encoder_of[i].part_idx, "tokens": item.token_count,
-                     "grid_thw": "x".join(map(str, item.grid_thw or ())),
-                     "part ms": f"{encoder_of[i].seconds * 1000:.1f}"}
-                    for i, item in enumerate(result.items)]
+            rows = _rows(result)
             info = local.model_info
             del stitched
-    title = (f"{encoders} encoders of {info.model_type} "
+    title = (f"registry + {len(servers)} encoders of {info.model_type} "
              f"({'RANDOM tiny weights' if info.random_weights else 'checkpoint'}), dim {info.dim}, "
-             f"{info.dtype} on {info.device}; delivery over ZMQ")
-    total_tokens = sum(r["tokens"] for r in rows)
-    summary = (f"total: {len(rows)} images, {total_tokens} tokens in {len(result.parts)} parts, "
-               f"{total * 1000:.1f} ms end to end; stitched result equals a local engine encode: "
-               f"{'yes' if ok else 'NO'} (relative error {err:.1e})")
+             f"{info.dtype} on {info.device}; encoders discovered through the registry; "
+             f"delivery over ZMQ")
+    summary = (f"total: {len(rows)} images, {sum(r['tokens'] for r in rows)} tokens in "
+               f"{len(result.parts)} parts, {total * 1000:.1f} ms end to end; stitched result equals "
+               f"a local engine encode: {'yes' if ok else 'NO'} (relative error {err:.1e})")
     if not ok:
         raise RuntimeError(summary)
     return f"{title}\n{_table(rows)}\n{summary}"
+
+
+async def _until_registered(registry: Any, count: int, timeout: float = 30.0) -> None:
+    """Registration runs in the encoders' background: wait until the registry lists them all."""
+    import trio
+
+    with trio.fail_after(timeout):
+        while len(registry.registry.healthy_urls()) < count:
+            await trio.sleep(0.01)
+
+
+def _rows(result: Any) -> list[dict[str, Any]]:
+    encoder_of = {i: p for p in result.parts for i in p.item_indices}
+    return [{"item": i, "image": "x".join(map(str, SAMPLE_SIZES[i])),
+             "encoder": encoder_of[i].encoder_url.removeprefix("http://"),
+             "part": encoder_of[i].part_idx, "tokens": item.token_count,
+             "grid_thw": "x".join(map(str, item.grid_thw or ())),
+             "part ms": f"{encoder_of[i].seconds * 1000:.1f}"}
+            for i, item in enumerate(result.items)]
