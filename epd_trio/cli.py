@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import trio
 
+from epd_trio._util import first_leaf
 from epd_trio.config import (
     BootstrapConfig,
     EncoderConfig,
@@ -106,8 +107,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.run(args))
-    except (EPDError, ValueError) as exc:
-        print(f"epd-trio: error: {exc}", file=sys.stderr)
+    except (EPDError, ValueError, BaseExceptionGroup) as exc:
+        # Start-up errors may come wrapped by the nurseries they crossed.
+        leaf = first_leaf(exc)
+        if not isinstance(leaf, (EPDError, ValueError)):
+            raise
+        print(f"epd-trio: error: {leaf}", file=sys.stderr)
         return 2
 
 

@@ -56,16 +56,35 @@ class EngineConfig:
     max_image_pixels: int = _opt(40_000_000, "largest image (width × height) accepted, checked before decoding")
     max_item_bytes: int = _opt(64 * 1024 * 1024, "largest encoded media item in bytes (data URI, URL, file)")
     fetch_timeout: float = _opt(10.0, "seconds allowed to fetch one http(s) item")
+    video_fps: float = _opt(2.0, "frames per second sampled from a video file (by the model's own "
+                            "sampling rule); a list of frames counts as sampled at this rate")
+    video_min_frames: int = _opt(4, "fewest frames sampled from a video file")
+    video_max_frames: int = _opt(768, "most frames sampled from a video file, or given as a list")
+    max_video_seconds: float = _opt(3600.0, "longest video file accepted, in seconds "
+                                    "(checked on the container before decoding)")
+    max_video_frames: int = _opt(200_000, "most frames a video file may have in its source "
+                                 "(before sampling)")
+    max_video_pixels: int = _opt(768 * 1280 * 720, "most pixels (frames × width × height) of the "
+                                 "frames one video gives the model")
+    max_audio_seconds: float = _opt(30.0, "longest audio item accepted, in seconds (never cut; "
+                                    "the model's own window is a second bound)")
     cache_dir: str | None = _opt(None, "where the embedded tiny model is generated "
                                  "(default: $XDG_CACHE_HOME/epd_trio or ~/.cache/epd_trio)")
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_batch_tokens", "max_pending", "preprocess_workers",
-                     "max_image_pixels", "max_item_bytes"):
+                     "max_image_pixels", "max_item_bytes", "video_min_frames", "max_video_frames",
+                     "max_video_pixels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.coalesce_delay < 0 or self.fetch_timeout <= 0:
             raise ValueError("coalesce_delay must be >= 0 and fetch_timeout > 0")
+        for name in ("video_fps", "max_video_seconds", "max_audio_seconds"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.video_max_frames < self.video_min_frames:
+            raise ValueError(f"video_max_frames ({self.video_max_frames}) must be at least "
+                             f"video_min_frames ({self.video_min_frames})")
 
     def resolved_cache_dir(self) -> Path:
         if self.cache_dir:
@@ -189,12 +208,20 @@ class ClientConfig:
     refresh_interval: float = _opt(5.0, "seconds between refreshes of the registry's encoder list "
                                    "(in the background, never on a request's path)")
     registry_timeout: float = _opt(2.0, "seconds one registry query may take")
+    transfer_backend: str = _opt("zmq", "how embeddings arrive: zmq (pushed to the client's PULL "
+                                 "socket) or mooncake (written straight into the registered pool; "
+                                 "needs the mooncake extra)")
+    mooncake_host: str = _opt("127.0.0.1", "address encoders' Mooncake engines reach this client at")
+    mooncake_protocol: str = _opt("tcp", "Mooncake transport: tcp, or rdma where RDMA NICs exist")
+    mooncake_device: str = _opt("", "Mooncake RDMA device names (e.g. mlx5_0), empty for tcp")
 
     def __post_init__(self) -> None:
         for name in ("timeout", "connect_timeout", "abort_timeout", "refresh_interval",
                      "registry_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.transfer_backend not in ("zmq", "mooncake"):
+            raise ValueError(f"transfer_backend must be zmq or mooncake, got {self.transfer_backend!r}")
         if self.pool_bytes < 1:
             raise ValueError(f"pool_bytes must be at least 1, got {self.pool_bytes}")
         for url in self.encoder_urls:

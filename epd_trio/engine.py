@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import trio
@@ -28,8 +28,11 @@ from epd_trio.model.media import MediaLimits, MediaLoader
 from epd_trio.model.preprocess import EncoderPreprocessor
 from epd_trio.model.tiny import ensure_default_model
 from epd_trio.scheduling.policy import BatchPolicy
-from epd_trio.scheduling.scheduler import Scheduler
+from epd_trio.scheduling.scheduler import RunSync, Scheduler
 from epd_trio.scheduling.worker import EncoderWorker
+
+if TYPE_CHECKING:
+    from epd_trio.testing import FaultPlan
 
 __all__ = ["EncodeOutput", "Engine", "EngineStatistics", "ModelInfo", "open_engine"]
 
@@ -46,6 +49,9 @@ class EncodeOutput:
     embedding: Any  # torch.Tensor [sum(token_counts), dim]
     token_counts: list[int]
     grid_thw: list[tuple[int, int, int]]
+    # Per-item values the language side needs (each list has one entry per
+    # item), e.g. ``second_per_grid_ts`` for Qwen2.5-VL videos; often empty.
+    extras: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
 
     def item(self, index: int) -> Any:
         """The rows of item ``index`` (a view, no copy)."""
@@ -62,6 +68,11 @@ class ModelInfo:
     device: str
     max_batch_size: int
     random_weights: bool
+    # What one output row holds: named column blocks ``(name, width)`` in
+    # order (Qwen3-VL: the embedding, then each deepstack level), and a line
+    # saying so.
+    embedding_layout: tuple[tuple[str, int], ...] = ()
+    embedding_description: str = ""
 
 
 @dataclass(frozen=True)
@@ -91,7 +102,9 @@ class Engine:
         self.encoder = encoder
         self.media = media
         self.worker = EncoderWorker(encoder)
-        self.preprocessor = EncoderPreprocessor(encoder.adapter, encoder.processors, media.limits)
+        self.preprocessor = EncoderPreprocessor(
+            encoder.adapter, encoder.processors, media.limits, video_fps=config.video_fps,
+            video_min_frames=config.video_min_frames, video_max_frames=config.video_max_frames)
         self.scheduler = Scheduler(
             self.worker.forward,
             BatchPolicy(config.max_batch_size, config.max_batch_tokens, config.coalesce_delay),
@@ -99,6 +112,10 @@ class Engine:
         )
         self._preprocess_limiter = trio.CapacityLimiter(config.preprocess_workers)
         self._preprocessing = 0
+        self.faults: FaultPlan | None = None  # epd_trio.testing installs one; never the network
+        # How blocking work reaches a thread; epd_trio.testing can run it inline so
+        # that MockClock tests stay deterministic.
+        self.run_sync: RunSync = trio.to_thread.run_sync
 
     @property
     def model_info(self) -> ModelInfo:
@@ -108,6 +125,8 @@ class Engine:
             dim=adapter.embedding_dim, dtype=str(self.encoder.dtype).removeprefix("torch."),
             device=self.encoder.device, max_batch_size=self.config.max_batch_size,
             random_weights=self.encoder.random_weights,
+            embedding_layout=tuple(adapter.embedding_layout),
+            embedding_description=adapter.embedding_description,
         )
 
     async def encode(self, items: Sequence[Any], modality: str = "image", *,
@@ -118,12 +137,15 @@ class Engine:
         ``on_preprocessed`` is called once the output's size is known, before
         the forward (Mooncake receivers reserve memory that early).
         """
+        if self.faults is not None:
+            await self.faults.inject("admission")
         with self.scheduler.admit(bypass=bypass_admission):
             pre = await self.preprocess(items, modality)
             if on_preprocessed is not None:
                 on_preprocessed(pre)
             embedding = await self.scheduler.submit(pre)
-        return EncodeOutput(pre.modality, embedding, list(pre.token_counts), list(pre.grid_thw))
+        return EncodeOutput(pre.modality, embedding, list(pre.token_counts), list(pre.grid_thw),
+                            {key: list(values) for key, values in pre.extras.items()})
 
     async def preprocess(self, items: Sequence[Any], modality: str) -> PreprocessResult:
         """Fetch and preprocess; callers hold an admission slot (``scheduler.admit``)."""
@@ -131,8 +153,12 @@ class Engine:
         self.encoder.adapter.check_modality(modality)
         self._preprocessing += 1
         try:
+            if self.faults is not None:
+                await self.faults.inject("media_load")
             loaded = await self.media.load(items)
-            return await trio.to_thread.run_sync(
+            if self.faults is not None:
+                await self.faults.inject("preprocess")
+            return await self.run_sync(
                 self.preprocessor.preprocess, loaded, modality, limiter=self._preprocess_limiter
             )
         finally:
@@ -175,6 +201,8 @@ async def open_engine(config: EngineConfig | None = None, **overrides: Any) -> A
         max_item_bytes=config.max_item_bytes, max_image_pixels=config.max_image_pixels,
         fetch_timeout=config.fetch_timeout,
         media_root=Path(config.media_root) if config.media_root else None,
+        max_video_seconds=config.max_video_seconds, max_video_frames=config.max_video_frames,
+        max_video_pixels=config.max_video_pixels, max_audio_seconds=config.max_audio_seconds,
     )
     # Redirects are not followed: a URL is fetched from where it says.
     async with httpx.AsyncClient(follow_redirects=False) as http, trio.open_nursery() as nursery:

@@ -83,3 +83,9 @@ async def running(model_path: str, **overrides: Any) -> AsyncIterator[tuple[Enco
 def encoder(qwen25_path: str) -> Callable[..., Any]:
     """``async with encoder(**overrides) as (server, http)``."""
     return lambda **kw: running(qwen25_path, **kw)
+
+
+@pytest.fixture
+def encoder_for(checkpoints: dict[str, str]) -> Callable[..., Any]:
+    """``async with encoder_for("qwen2_audio", **overrides) as (server, http)``: any TEST_SPECS family."""
+    return lambda arch, **kw: running(checkpoints[arch], **kw)

@@ -49,3 +49,14 @@ def test_readme_config_table_is_current() -> None:
     table = subprocess.run([sys.executable, str(root / "tools" / "config_table.py")],
                            capture_output=True, text=True, check=True).stdout.strip()
     assert table in (root / "README.md").read_text(), "run tools/config_table.py and update README"
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"EPD_VIDEO_FPS": "0"}, "video_fps must be > 0"),
+    ({"EPD_MAX_AUDIO_SECONDS": "-1"}, "max_audio_seconds must be > 0"),
+    ({"EPD_MAX_VIDEO_FRAMES": "0"}, "max_video_frames must be at least 1"),
+    ({"EPD_VIDEO_MIN_FRAMES": "8", "EPD_VIDEO_MAX_FRAMES": "4"}, "video_max_frames .4. must be at least"),
+])
+def test_bad_media_settings_say_which(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        config_from_env(EngineConfig, env)

@@ -1,4 +1,4 @@
-"""What encoders answer, checked: the ``/encode`` JSON, error bodies, ZMQ headers.
+"""What encoders answer, checked: ``/encode`` and ``/send`` JSON, error bodies, ZMQ headers.
 
 Pure functions over received data (no trio, no I/O), so the client's tasks
 only decide *when* to read and these decide *what it means*. An encoder's
@@ -14,12 +14,27 @@ from typing import Final
 import httpx
 
 from epd_trio.errors import EncodeError, ProtocolError
-from epd_trio.protocol.messages import MAX_ERROR_MESSAGE, EmbeddingHeader
+from epd_trio.protocol.messages import (
+    DTYPE_ITEMSIZE,
+    MAX_ERROR_MESSAGE,
+    EmbeddingHeader,
+    validate_extras,
+)
 from epd_trio.protocol.requests import EncodeMeta
 
-__all__ = ["RemoteEncodeError", "check_message", "http_error", "parse_meta", "zmq_error"]
+__all__ = [
+    "RemoteEncodeError",
+    "check_message",
+    "check_sized_meta",
+    "check_sent",
+    "http_error",
+    "parse_meta",
+    "parse_sized_meta",
+    "zmq_error",
+]
 
-_META_FIELDS: Final = tuple(f.name for f in dataclasses.fields(EncodeMeta))
+# ``extras`` is optional: an encoder leaves it out when it has none (and older ones never send it).
+_META_FIELDS: Final = tuple(f.name for f in dataclasses.fields(EncodeMeta) if f.name != "extras")
 
 
 class RemoteEncodeError(EncodeError):
@@ -60,17 +75,27 @@ def zmq_error(header: EmbeddingHeader, encoder_url: str) -> RemoteEncodeError:
 
 def parse_meta(response: httpx.Response, req_id: str, part_idx: int, num_parts: int) -> EncodeMeta:
     """A 200 ``/encode`` answer (extra keys, such as Mooncake's ``nbytes``, are ignored)."""
+    return parse_sized_meta(response, req_id, part_idx, num_parts, sized=False)[0]
+
+
+def parse_sized_meta(response: httpx.Response, req_id: str, part_idx: int, num_parts: int, *,
+                     sized: bool = True) -> tuple[EncodeMeta, int]:
+    """A 200 Mooncake ``/encode`` answer: the meta and its ``nbytes`` (-1 when not ``sized``)."""
     try:
         body = response.json()
-        meta = EncodeMeta(**{name: body[name] for name in _META_FIELDS})
-    except (ValueError, KeyError, TypeError) as exc:
+        meta = EncodeMeta(**{name: body[name] for name in _META_FIELDS},
+                          extras=validate_extras(body.get("extras", {}), len(body["token_counts"])))
+        nbytes = body["nbytes"] if sized else -1
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool):
+            raise TypeError(f"nbytes is {nbytes!r}")
+    except (ValueError, KeyError, TypeError, ProtocolError) as exc:
         raise ProtocolError(f"bad /encode answer for part {part_idx}: {exc!r:.200}",
                             req_id=req_id) from None
     if (meta.req_id, meta.part_idx, meta.num_parts) != (req_id, part_idx, num_parts):
         raise ProtocolError(f"/encode answered for {meta.req_id} part {meta.part_idx}/"
                             f"{meta.num_parts}, asked {req_id} part {part_idx}/{num_parts}",
                             req_id=req_id)
-    return meta
+    return meta, nbytes
 
 
 def check_message(header: EmbeddingHeader, meta: EncodeMeta, modality: str, items: int,
@@ -85,3 +110,45 @@ def check_message(header: EmbeddingHeader, meta: EncodeMeta, modality: str, item
             f"part {header.part_idx} of {header.req_id} from {encoder_url}: the ZMQ message"
             f" (modality, num_parts, items, tokens, dim, dtype, token_counts) {got} does not"
             f" match the request and HTTP answer {expected}", req_id=header.req_id)
+    if header.extras != meta.extras:
+        raise ProtocolError(
+            f"part {header.part_idx} of {header.req_id} from {encoder_url}: the ZMQ message's"
+            f" extras {header.extras!r:.200} differ from the HTTP answer's {meta.extras!r:.200}",
+            req_id=header.req_id)
+
+
+def check_sized_meta(meta: EncodeMeta, nbytes: int, modality: str, items: int,
+                     encoder_url: str) -> None:
+    """A Mooncake answer must describe what the plan asked, and its ``nbytes`` its shape:
+    the receiver reserves exactly that, and the encoder writes exactly that."""
+    itemsize = DTYPE_ITEMSIZE.get(meta.dtype) if isinstance(meta.dtype, str) else None
+    counts = meta.token_counts if isinstance(meta.token_counts, list) else []
+    problem = None
+    if (meta.modality, len(counts)) != (modality, items):
+        problem = f"describes {len(counts)} {meta.modality} items, asked {items} {modality}"
+    elif itemsize is None or not all(type(v) is int for v in (meta.tokens, meta.dim, *counts)):
+        problem = f"has dtype {meta.dtype!r}, tokens {meta.tokens!r}, dim {meta.dim!r}"
+    elif meta.dim < 1 or meta.tokens < 1 or sum(counts) != meta.tokens or min(counts) < 0:
+        problem = f"has {meta.tokens} tokens of dim {meta.dim} but token_counts {counts}"
+    elif not isinstance(meta.grid_thw, list) or len(meta.grid_thw) not in (0, items) or \
+            not all(isinstance(g, list) and len(g) == 3 for g in meta.grid_thw):
+        problem = f"has grid_thw {meta.grid_thw!r:.100} for {items} items"
+    elif nbytes != meta.tokens * meta.dim * itemsize:
+        problem = f"says nbytes {nbytes} for {meta.tokens} x {meta.dim} {meta.dtype}"
+    if problem:
+        raise ProtocolError(f"part {meta.part_idx} of {meta.req_id} from {encoder_url}: the /encode"
+                            f" answer {problem}", req_id=meta.req_id)
+
+
+def check_sent(response: httpx.Response, req_id: str, part_idx: int, nbytes: int,
+               encoder_url: str) -> None:
+    """A 200 ``/send`` answer must say it wrote exactly the reserved bytes for that part."""
+    try:
+        body = response.json()
+        got = (body["req_id"], body.get("part_idx", 0), body["nbytes"])
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ProtocolError(f"bad /send answer for part {part_idx}: {exc!r:.200}",
+                            req_id=req_id) from None
+    if got != (req_id, part_idx, nbytes):
+        raise ProtocolError(f"{encoder_url} answered /send with (req_id, part_idx, nbytes) {got!r:.200},"
+                            f" expected {(req_id, part_idx, nbytes)}", req_id=req_id)

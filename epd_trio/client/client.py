@@ -11,6 +11,17 @@ cancels the rest. Whatever ends a request early — failure, deadline, the
 caller's cancellation, the client closing — the parts an encoder may still be
 working on are aborted there (best effort, shielded, short deadline), and the
 request leaves nothing behind: ``statistics()`` proves it.
+
+With ``transfer_backend="mooncake"`` there is no PULL socket: the client runs
+a Mooncake transfer engine and registers the pool's one buffer with it once,
+for its whole life. Each part's ``/encode`` answers early with its shape and
+``nbytes``; once every part has answered, the request reserves one slot laid
+out exactly as the ZMQ path lays it out (``plan_layout``), and posts ``/send``
+per part with the address of that part's place in the slot. A ``/send``
+answer means the bytes are in place, so the result is views over the slot, with
+no copy. A request owns its slot until its result does; on failure the slot is
+released only after the parts' ``/abort`` calls, since an encoder may still be
+writing into it until it hears of the failure.
 """
 
 from __future__ import annotations
@@ -32,13 +43,23 @@ from trio_util import periodic
 from epd_trio.bootstrap.discovery import fetch_encoder_urls
 from epd_trio.client.answers import (
     check_message,
+    check_sent,
+    check_sized_meta,
     http_error,
     parse_meta,
+    parse_sized_meta,
     zmq_error,
 )
 from epd_trio.client.items import is_heavy, to_wire_items
-from epd_trio.client.pool import EmbeddingPool, PoolStatistics
-from epd_trio.client.result import EncodedRequest, PartReport, ReceivedPart, copy_parts, plan_layout
+from epd_trio.client.pool import EmbeddingPool, PoolStatistics, Slot
+from epd_trio.client.result import (
+    EncodedRequest,
+    PartReport,
+    ReceivedPart,
+    copy_parts,
+    plan_layout,
+    slot_views,
+)
 from epd_trio.client.routing import Part, pick_fallback, plan_parts
 from epd_trio.config import ClientConfig
 from epd_trio.errors import (
@@ -52,7 +73,7 @@ from epd_trio.errors import (
     TransportError,
 )
 from epd_trio.protocol.messages import EmbeddingHeader, validate_req_id
-from epd_trio.protocol.requests import EncodeMeta
+from epd_trio.transport.mooncake import MooncakeStatistics, MooncakeTransport, open_mooncake
 from epd_trio.transport.zmq import PullReceiver, validate_endpoint
 
 __all__ = [
@@ -84,6 +105,7 @@ class ClientStatistics:
     aborts_failed: int
     refresh_failures: int  # registry queries that failed (the last list was kept)
     pool: PoolStatistics
+    mooncake: MooncakeStatistics | None  # the transfer engine, with transfer_backend="mooncake"
 
 
 @dataclass(eq=False)
@@ -92,8 +114,10 @@ class _PartState:
     encoder_url: str  # where it is (or was last) posted; differs from the plan after a retry
     arrived: trio.Event = dataclasses.field(default_factory=trio.Event)
     message: tuple[EmbeddingHeader, torch.Tensor | None] | None = None
+    described: ReceivedPart | None = None  # Mooncake: its checked shape, from the /encode answer
     posted: bool = False  # an /encode may have reached encoder_url
-    answered: bool = False  # the encoder is done with it: an HTTP answer or a ZMQ error
+    answered: bool = False  # the encoder is done with it: an error, a ZMQ /encode answer or
+    # a Mooncake /send answer (a Mooncake /encode answer leaves it staged, waiting for /send)
     settled: bool = False  # no longer counted as outstanding
     started: float = 0.0  # trio.current_time() of the first post
     finished: float = 0.0  # when its embedding arrived
@@ -106,6 +130,7 @@ class _LiveRequest:
     parts: list[_PartState]
     scope: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope)
     failure: EPDError | None = None
+    slot: Slot | None = None  # the request's until its result takes it
 
     def fail(self, exc: EPDError) -> None:
         """The first failure wins and cancels everything the request still does."""
@@ -132,7 +157,8 @@ class EncoderClient:
         self._static = tuple(dict.fromkeys(u.rstrip("/") for u in config.encoder_urls))
         self.encoders: tuple[str, ...] = self._static  # replaced whole: requests keep their snapshot
         self.pool = EmbeddingPool(config.pool_bytes)
-        self.endpoint = ""  # advertised to encoders; set once open
+        self.endpoint = ""  # advertised to encoders; set once open (zmq only)
+        self.mooncake: MooncakeTransport | None = None  # set once open (mooncake only)
         self._transport = http_transport
         self._http: httpx.AsyncClient | None = None
         self._pull: PullReceiver | None = None
@@ -151,13 +177,17 @@ class EncoderClient:
         if self._closed or self._http is not None:
             raise RuntimeError("an EncoderClient can be opened once")
         try:
-            self._pull = await self._stack.enter_async_context(PullReceiver(self.config.zmq_bind))
-            self.endpoint = advertised_endpoint(self._pull.last_endpoint, self.config.zmq_advertise)
+            if self.config.transfer_backend == "mooncake":
+                await self._open_mooncake()
+            else:
+                self._pull = await self._stack.enter_async_context(PullReceiver(self.config.zmq_bind))
+                self.endpoint = advertised_endpoint(self._pull.last_endpoint, self.config.zmq_advertise)
             timeout = httpx.Timeout(None, connect=self.config.connect_timeout)  # deadlines are ours
             self._http = await self._stack.enter_async_context(
                 httpx.AsyncClient(timeout=timeout, transport=self._transport))
             nursery = await self._stack.enter_async_context(trio.open_nursery())
-            nursery.start_soon(self._demux, self._pull)
+            if self._pull is not None:
+                nursery.start_soon(self._demux, self._pull)
             if self.config.bootstrap_url:
                 await nursery.start(self._refresh_loop)  # the first list before any request
             self._stack.callback(nursery.cancel_scope.cancel)  # runs before the nursery exits
@@ -165,6 +195,14 @@ class EncoderClient:
             await self._stack.aclose()
             raise
         return self
+
+    async def _open_mooncake(self) -> None:
+        c = self.config
+        self.mooncake = await self._stack.enter_async_context(
+            open_mooncake(c.mooncake_host, c.mooncake_protocol, c.mooncake_device))
+        # One buffer at a stable address: registered once, for the client's whole life.
+        await self._stack.enter_async_context(
+            self.mooncake.registered(self.pool.address, self.pool.capacity))
 
     async def __aexit__(self, exc_type: type[BaseException] | None,
                         exc: BaseException | None, tb: TracebackType | None) -> None:
@@ -206,7 +244,12 @@ class EncoderClient:
                                 req_id=req.req_id)
         except BaseException:
             self._counts["requests_failed"] += 1
-            await self._abort_unanswered(req)
+            try:
+                await self._abort_unanswered(req)
+            finally:
+                # Only now: an encoder may write into the slot until it hears of the abort.
+                if req.slot is not None:
+                    req.slot.release()
             raise
         finally:
             self._unregister(req)
@@ -216,7 +259,9 @@ class EncoderClient:
         return ClientStatistics(
             encoders=self.encoders, outstanding=MappingProxyType(dict(self._outstanding)),
             requests_live=len(self._requests), parts_live=len(self._parts),
-            malformed_messages=pull, pool=self.pool.statistics(), **self._counts,
+            malformed_messages=pull, pool=self.pool.statistics(),
+            mooncake=self.mooncake.statistics() if self.mooncake is not None else None,
+            **self._counts,
         )
 
     def __repr__(self) -> str:
@@ -262,41 +307,71 @@ class EncoderClient:
             self._outstanding[state.encoder_url] -= 1
 
     async def _complete(self, req: _LiveRequest) -> EncodedRequest:
-        """Run the parts, then copy them into one pool slot; raises the first failure."""
+        """Run the parts, then gather them into one pool slot; raises the first failure."""
         with req.scope:
             async with trio.open_nursery() as nursery:
                 for state in req.parts:
                     nursery.start_soon(self._run_part, req, state)
             if req.failure is None:
-                return await self._assemble(req)
+                if self.mooncake is None:
+                    return await self._assemble(req)
+                return await self._receive_in_place(req, self.mooncake.session)
         assert req.failure is not None  # only fail() cancels req.scope
         raise req.failure
 
     async def _assemble(self, req: _LiveRequest) -> EncodedRequest:
+        """ZMQ: copy the received parts into one slot."""
         received = []
         for state in req.parts:
             assert state.message is not None and state.message[1] is not None
-            received.append(ReceivedPart(state.part, *state.message))  # type: ignore[arg-type]
+            received.append(ReceivedPart.from_message(state.part, *state.message))  # type: ignore[arg-type]
         layouts, nbytes = plan_layout(received)
-        slot = await self.pool.acquire(nbytes)
-        try:
-            if nbytes >= _COPY_IN_THREAD_BYTES:
-                embeddings = await trio.to_thread.run_sync(copy_parts, slot, layouts)
-            else:
-                embeddings = copy_parts(slot, layouts)
-            reports = tuple(PartReport(st.part.part_idx, st.part.modality, st.encoder_url,
-                                       st.part.item_indices, st.finished - st.started)
-                            for st in req.parts)
-            return EncodedRequest(req.req_id, slot, layouts, embeddings, reports)
-        except BaseException:
-            slot.release()
-            raise
+        req.slot = slot = await self.pool.acquire(nbytes)
+        if nbytes >= _COPY_IN_THREAD_BYTES:  # not cancellable: the copy always finishes
+            embeddings = await trio.to_thread.run_sync(copy_parts, slot, layouts)
+        else:
+            embeddings = copy_parts(slot, layouts)
+        req.slot = None  # the result owns it now
+        return EncodedRequest(req.req_id, slot, layouts, embeddings, self._reports(req))
+
+    async def _receive_in_place(self, req: _LiveRequest, session: str) -> EncodedRequest:
+        """Mooncake: reserve the slot, have every encoder write its part there, view it."""
+        described = [state.described for state in req.parts]
+        layouts, nbytes = plan_layout(described)  # type: ignore[arg-type]
+        req.slot = slot = await self.pool.acquire(nbytes)
+        states = {state.part.part_idx: state for state in req.parts}
+        async with trio.open_nursery() as nursery:
+            for layout in layouts:
+                for r, offset in layout.placements():
+                    nursery.start_soon(self._send_part, req, states[r.part.part_idx], session,
+                                       slot.address + offset)
+        if req.failure is not None:
+            raise req.failure
+        req.slot = None  # the result owns it now
+        return EncodedRequest(req.req_id, slot, layouts, slot_views(slot, layouts),
+                              self._reports(req))
+
+    @staticmethod
+    def _reports(req: _LiveRequest) -> tuple[PartReport, ...]:
+        return tuple(PartReport(st.part.part_idx, st.part.modality, st.encoder_url,
+                                st.part.item_indices, st.finished - st.started)
+                     for st in req.parts)
 
     # ---- one part -------------------------------------------------------------
     async def _run_part(self, req: _LiveRequest, state: _PartState) -> None:
+        staged = False
         try:
             state.started = trio.current_time()
-            meta = await self._post(req, state)
+            response = await self._post(req, state)
+            part, num_parts = state.part, len(req.parts)
+            if self.mooncake is not None:
+                meta, nbytes = parse_sized_meta(response, req.req_id, part.part_idx, num_parts)
+                check_sized_meta(meta, nbytes, part.modality, len(part.item_indices),
+                                 state.encoder_url)
+                state.described = ReceivedPart.from_meta(part, meta)
+                staged = True  # still outstanding: the encoder holds it for our /send
+                return
+            meta = parse_meta(response, req.req_id, part.part_idx, num_parts)
             await state.arrived.wait()  # bounded by the request's deadline
             state.finished = trio.current_time()
             assert state.message is not None
@@ -307,16 +382,43 @@ class EncoderClient:
         except EPDError as exc:
             req.fail(exc)
         finally:
+            if not staged:
+                self._settle(state)
+
+    async def _send_part(self, req: _LiveRequest, state: _PartState, session: str,
+                         address: int) -> None:
+        """Mooncake: POST /send; its 200 answer means the bytes are at ``address``."""
+        part = state.part
+        assert state.described is not None
+        nbytes = state.described.nbytes
+        body = {"req_id": req.req_id, "part_idx": part.part_idx, "session": session,
+                "buffer_address": address, "buffer_length": nbytes}
+        try:
+            try:
+                response = await self._require_open().post(f"{state.encoder_url}/send", json=body)
+            except httpx.HTTPError as exc:
+                raise PeerUnavailable(f"{state.encoder_url} failed /send of part {part.part_idx}"
+                                      f" of {req.req_id}: {type(exc).__name__}: {exc}",
+                                      req_id=req.req_id) from None
+            if response.status_code != 200:
+                raise http_error(response, req.req_id, state.encoder_url, part.part_idx)
+            check_sent(response, req.req_id, part.part_idx, nbytes, state.encoder_url)
+            state.answered = True  # in place, and the encoder has released the part
+            state.finished = trio.current_time()
+        except EPDError as exc:
+            req.fail(exc)
+        finally:
             self._settle(state)
 
-    async def _post(self, req: _LiveRequest, state: _PartState) -> EncodeMeta:
-        """POST /encode; on a connect error move the part to another encoder."""
+    async def _post(self, req: _LiveRequest, state: _PartState) -> httpx.Response:
+        """POST /encode, its 200 answer; on a connect error move the part to another encoder."""
         part, http = state.part, self._require_open()
+        deliver = {"backend": "mooncake"} if self.mooncake is not None else \
+            {"backend": "zmq", "endpoint": self.endpoint}
         body = {
             "req_id": req.req_id, "modality": part.modality,
             "mm_items": [req.wire[part.modality][i] for i in part.item_indices],
-            "num_parts": len(req.parts), "part_idx": part.part_idx,
-            "deliver": {"backend": "zmq", "endpoint": self.endpoint},
+            "num_parts": len(req.parts), "part_idx": part.part_idx, "deliver": deliver,
         }
         tried: list[str] = []
         while True:
@@ -332,10 +434,11 @@ class EncoderClient:
                 raise PeerUnavailable(f"{state.encoder_url} failed part {part.part_idx} of"
                                       f" {req.req_id}: {type(exc).__name__}: {exc}",
                                       req_id=req.req_id) from None
-            state.answered = True
+            # A Mooncake 200 leaves the part staged on the encoder until its /send.
+            state.answered = response.status_code != 200 or self.mooncake is None
             if response.status_code != 200:
                 raise http_error(response, req.req_id, state.encoder_url, part.part_idx)
-            return parse_meta(response, req.req_id, part.part_idx, len(req.parts))
+            return response
 
     def _move(self, state: _PartState, fallback: str | None, exc: Exception) -> None:
         if fallback is None:

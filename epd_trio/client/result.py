@@ -1,17 +1,20 @@
-"""Stitching received parts into one pool slot, and the ``EncodedRequest`` handle.
+"""Laying a request's parts out in one pool slot, and the ``EncodedRequest`` handle.
 
-The layout is decided first, purely (``plan_layout``), then the bytes are
-copied: each modality's parts go end to end in ``part_idx`` order, so a
-modality is one ``[tokens, dim]`` tensor over the slot and each item a row
-range of it. Modalities start on ``ALIGNMENT`` boundaries, as their dtypes may
-differ.
+The layout is decided first, purely (``plan_layout``), from what the encoders
+said about each part; then the bytes get there. Each modality's parts go end to
+end in ``part_idx`` order, so a modality is one ``[tokens, dim]`` tensor over
+the slot and each item a row range of it. Modalities start on ``ALIGNMENT``
+boundaries, as their dtypes may differ. Both delivery backends share it: ZMQ
+parts are copied in (``copy_parts``), Mooncake parts are written by the
+encoders at their ``placements`` and only viewed (``slot_views``, no copy).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
+from typing import Any
 
 import torch
 
@@ -20,6 +23,7 @@ from epd_trio.client.routing import Part
 from epd_trio.errors import ProtocolError
 from epd_trio.protocol.codec import TORCH_DTYPES
 from epd_trio.protocol.messages import DTYPE_ITEMSIZE, EmbeddingHeader
+from epd_trio.protocol.requests import EncodeMeta
 
 __all__ = [
     "EncodedRequest",
@@ -29,16 +33,41 @@ __all__ = [
     "ReceivedPart",
     "copy_parts",
     "plan_layout",
+    "slot_views",
 ]
 
 
 @dataclass(frozen=True)
 class ReceivedPart:
-    """A part's ZMQ message; ``tensor`` aliases the message frame until copied."""
+    """A part as its encoder described it (checked), with its bytes when they came apart.
+
+    ``tensor`` aliases a ZMQ frame until copied; it is None for a Mooncake part,
+    whose bytes the encoder writes into the slot itself.
+    """
 
     part: Part
-    header: EmbeddingHeader
-    tensor: torch.Tensor
+    dtype: str
+    tokens: int
+    dim: int
+    token_counts: tuple[int, ...]
+    grid_thw: tuple[tuple[int, ...], ...]
+    tensor: torch.Tensor | None = None
+    # Per-item values for the language side (name → one value per item of this part).
+    extras: Mapping[str, Sequence[Any]] = field(default_factory=dict)
+
+    @classmethod
+    def from_message(cls, part: Part, header: EmbeddingHeader, tensor: torch.Tensor) -> ReceivedPart:
+        return cls(part, header.dtype, header.shape[0], header.shape[1], tuple(header.token_counts),
+                   tuple(tuple(g) for g in header.grid_thw), tensor, header.extras)
+
+    @classmethod
+    def from_meta(cls, part: Part, meta: EncodeMeta) -> ReceivedPart:
+        return cls(part, meta.dtype, meta.tokens, meta.dim, tuple(meta.token_counts),
+                   tuple(tuple(g) for g in meta.grid_thw), extras=meta.extras)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tokens * self.dim * DTYPE_ITEMSIZE[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -54,57 +83,77 @@ class ModalityLayout:
     def nbytes(self) -> int:
         return self.tokens * self.dim * DTYPE_ITEMSIZE[self.dtype]
 
+    def placements(self) -> list[tuple[ReceivedPart, int]]:
+        """Each part with its byte offset from the slot's start (end to end)."""
+        out, offset = [], self.offset
+        for r in self.parts:
+            out.append((r, offset))
+            offset += r.nbytes
+        return out
+
 
 def plan_layout(received: Sequence[ReceivedPart]) -> tuple[list[ModalityLayout], int]:
     """Where each modality goes in the slot, and the slot's size in bytes.
 
-    All parts of a modality come from one model, so they must agree on dtype
-    and dim; ``ProtocolError`` otherwise (the embeddings could not be stacked).
+    All parts of a modality come from one model, so they must agree on dtype,
+    dim, whether items have grids and which extras they carry; ``ProtocolError``
+    otherwise (the embeddings or their per-item metadata could not be stacked).
     """
     by_modality: dict[str, list[ReceivedPart]] = {}
     for r in sorted(received, key=lambda r: r.part.part_idx):
         by_modality.setdefault(r.part.modality, []).append(r)
     layouts, offset = [], 0
     for modality, parts in by_modality.items():
-        first = parts[0].header
+        first = parts[0]
         for r in parts[1:]:
-            if (r.header.dtype, r.header.shape[1], bool(r.header.grid_thw)) != \
-                    (first.dtype, first.shape[1], bool(first.grid_thw)):
+            if (r.dtype, r.dim, bool(r.grid_thw), sorted(r.extras)) != \
+                    (first.dtype, first.dim, bool(first.grid_thw), sorted(first.extras)):
                 raise ProtocolError(
-                    f"{modality} parts disagree: part {parts[0].part.part_idx} is {first.dtype}"
-                    f" dim {first.shape[1]}, part {r.part.part_idx} is {r.header.dtype}"
-                    f" dim {r.header.shape[1]}, or only one has grid_thw")
+                    f"{modality} parts disagree: part {first.part.part_idx} is {first.dtype}"
+                    f" dim {first.dim} extras {sorted(first.extras)}, part {r.part.part_idx} is"
+                    f" {r.dtype} dim {r.dim} extras {sorted(r.extras)}, or only one has grid_thw")
         offset = -(-offset // ALIGNMENT) * ALIGNMENT
-        layout = ModalityLayout(modality, first.dtype, first.shape[1],
-                                sum(r.header.shape[0] for r in parts), offset, tuple(parts))
+        layout = ModalityLayout(modality, first.dtype, first.dim, sum(r.tokens for r in parts),
+                                offset, tuple(parts))
         layouts.append(layout)
         offset += layout.nbytes
     return layouts, offset
 
 
+def slot_views(slot: Slot, layouts: Sequence[ModalityLayout]) -> dict[str, torch.Tensor]:
+    """The per-modality ``[tokens, dim]`` tensors over ``slot`` (views, no copy)."""
+    return {layout.modality: slot.view(TORCH_DTYPES[layout.dtype], (layout.tokens, layout.dim),
+                                       layout.offset)
+            for layout in layouts}
+
+
 def copy_parts(slot: Slot, layouts: Sequence[ModalityLayout]) -> dict[str, torch.Tensor]:
-    """Copy every part into ``slot``; the per-modality tensors over it (blocking)."""
-    out = {}
+    """Copy every part's tensor into ``slot``; the per-modality tensors over it (blocking)."""
+    out = slot_views(slot, layouts)
     for layout in layouts:
-        dest = slot.view(TORCH_DTYPES[layout.dtype], (layout.tokens, layout.dim), layout.offset)
-        row = 0
+        dest, row = out[layout.modality], 0
         for r in layout.parts:
-            rows = r.header.shape[0]
-            dest[row:row + rows].copy_(r.tensor)
-            row += rows
-        out[layout.modality] = dest
+            assert r.tensor is not None, "copy_parts needs the parts' tensors"
+            dest[row:row + r.tokens].copy_(r.tensor)
+            row += r.tokens
     return out
 
 
 @dataclass(frozen=True)
 class ItemEmbedding:
-    """One original item: its rows of the modality tensor (a view into the pool)."""
+    """One original item: its rows of the modality tensor (a view into the pool).
+
+    ``extras`` holds this item's value of each per-item extra its encoder sent
+    (``second_per_grid_ts`` for a Qwen2.5-VL video, ``timestamps`` for a
+    Qwen3-VL one); empty when the model needs none.
+    """
 
     modality: str
     index: int
     embedding: torch.Tensor
     token_count: int
     grid_thw: tuple[int, int, int] | None
+    extras: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -124,6 +173,11 @@ class EncodedRequest:
     Use as ``async with await client.encode(...) as result:``; the tensors are
     views into the pool and must not be used after the block (copy what you
     keep). A forgotten release is reclaimed by the pool's GC backstop.
+
+    Per modality: ``embeddings``, ``token_counts``, ``grid_thw`` and
+    ``extras`` (name → one value per item, stitched across parts in item
+    order; no entry for a modality without extras). ``items`` has the same
+    per item.
     """
 
     def __init__(self, req_id: str, slot: Slot, layouts: Sequence[ModalityLayout],
@@ -133,16 +187,25 @@ class EncodedRequest:
         self.embeddings: Mapping[str, torch.Tensor] = MappingProxyType(dict(embeddings))
         token_counts: dict[str, list[int]] = {}
         grid_thw: dict[str, list[list[int]]] = {}
+        extras: dict[str, dict[str, list[Any]]] = {}
         items: list[ItemEmbedding] = []
         for layout in layouts:
             counts = token_counts.setdefault(layout.modality, [])
             grids = grid_thw.setdefault(layout.modality, [])
+            stitched: dict[str, list[Any]] = {}
             for r in layout.parts:
-                counts.extend(r.header.token_counts)
-                grids.extend(list(g) for g in r.header.grid_thw)
-            items.extend(_items(layout.modality, embeddings[layout.modality], counts, grids))
+                counts.extend(r.token_counts)
+                grids.extend(list(g) for g in r.grid_thw)
+                for key, values in r.extras.items():
+                    stitched.setdefault(key, []).extend(values)
+            if stitched:
+                extras[layout.modality] = stitched
+            items.extend(_items(layout.modality, embeddings[layout.modality], counts, grids,
+                                stitched))
         self.token_counts: Mapping[str, list[int]] = MappingProxyType(token_counts)
         self.grid_thw: Mapping[str, list[list[int]]] = MappingProxyType(grid_thw)
+        self.extras: Mapping[str, Mapping[str, list[Any]]] = MappingProxyType(
+            {m: MappingProxyType(e) for m, e in extras.items()})
         self.items: tuple[ItemEmbedding, ...] = tuple(items)
         self._slot = slot
 
@@ -172,10 +235,13 @@ class EncodedRequest:
 
 
 def _items(modality: str, tensor: torch.Tensor, counts: Sequence[int],
-           grids: Sequence[Sequence[int]]) -> list[ItemEmbedding]:
+           grids: Sequence[Sequence[int]], extras: Mapping[str, Sequence[Any]]
+           ) -> list[ItemEmbedding]:
     out, row = [], 0
     for i, count in enumerate(counts):
         grid = tuple(grids[i]) if grids else None
-        out.append(ItemEmbedding(modality, i, tensor[row:row + count], count, grid))  # type: ignore[arg-type]
+        mine = MappingProxyType({key: values[i] for key, values in extras.items()})
+        out.append(ItemEmbedding(modality, i, tensor[row:row + count], count, grid,  # type: ignore[arg-type]
+                                 mine))
         row += count
     return out

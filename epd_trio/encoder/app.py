@@ -67,9 +67,9 @@ def _routes(app: QuartTrio, service: EncoderService) -> None:
             data = encode_safetensors(answer.embedding, {
                 "req_id": req.req_id, "part_idx": req.part_idx, "num_parts": req.num_parts,
                 "modality": answer.modality, "token_counts": answer.token_counts,
-                "grid_thw": answer.grid_thw})
+                "grid_thw": answer.grid_thw, "extras": answer.extras})
             return Response(data, status=200, mimetype=SAFETENSORS_MIME)
-        meta = dataclasses.asdict(answer.meta())
+        meta = answer.meta().to_json()
         if req.deliver.backend == "mooncake":
             meta["nbytes"] = answer.nbytes
         return json_response(meta)
@@ -102,7 +102,9 @@ def _routes(app: QuartTrio, service: EncoderService) -> None:
     @app.get("/model_info")
     async def model_info() -> Response:
         info = dataclasses.asdict(service.engine.model_info)
-        return json_response({**info, "modalities": list(info["modalities"]), "version": __version__})
+        layout = [{"name": name, "width": width} for name, width in info["embedding_layout"]]
+        return json_response({**info, "modalities": list(info["modalities"]),
+                              "embedding_layout": layout, "version": __version__})
 
     @app.get("/stats")
     async def stats() -> Response:

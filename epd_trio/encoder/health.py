@@ -1,7 +1,9 @@
 """``/health``: a real tiny encode through the same pipeline, shared by callers.
 
 While real batches are completing, the encoder is evidently healthy and no
-probe runs. Otherwise one probe (request id ``HEALTH_CHECK-n``) goes through
+probe runs. Otherwise one probe (request id ``HEALTH_CHECK-n``: the cheapest
+real request the model family encodes, ``samples.probe_request`` — an image
+for the Qwen-VL families, a short tone for Qwen2-Audio) goes through
 the engine exactly like a request, but skips the admission bound (a full queue
 is not a sick encoder). Concurrent ``/health`` calls share the probe in flight,
 and the probe runs in the service's nursery, so a caller that gives up does
@@ -10,7 +12,6 @@ not cancel it for the others.
 
 from __future__ import annotations
 
-import io
 import itertools
 import logging
 from dataclasses import dataclass
@@ -19,22 +20,14 @@ from typing import TYPE_CHECKING
 import trio
 
 from epd_trio.errors import EPDError
+from epd_trio.model.samples import probe_request
 
 if TYPE_CHECKING:
     from epd_trio.engine import Engine
 
-__all__ = ["HealthMonitor", "HealthStatistics", "probe_image"]
+__all__ = ["HealthMonitor", "HealthReport", "HealthStatistics"]
 
 log = logging.getLogger(__name__)
-
-
-def probe_image() -> bytes:
-    """A 28×28 PNG: the smallest image every Qwen-VL processor accepts."""
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("RGB", (28, 28), (127, 64, 200)).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 @dataclass(frozen=True)
@@ -42,6 +35,7 @@ class HealthStatistics:
     probes: int
     probe_failures: int
     last_ok: float | None
+    probe_modality: str
 
 
 @dataclass(frozen=True)
@@ -57,7 +51,7 @@ class HealthMonitor:
         self._nursery = nursery
         self._timeout = timeout
         self._fresh = fresh
-        self._image = probe_image()
+        self._modality, self._items = probe_request(engine.encoder.adapter.modalities)
         self._ids = itertools.count()
         self._last_ok: float | None = None
         self._inflight: trio.Event | None = None
@@ -81,7 +75,7 @@ class HealthMonitor:
         self._probes += 1
         try:
             with trio.fail_after(self._timeout):
-                await self._engine.encode([self._image], "image", bypass_admission=True)
+                await self._engine.encode(self._items, self._modality, bypass_admission=True)
         except trio.TooSlowError:
             self._report(HealthReport(False, True, f"{req_id} took over {self._timeout} s"))
         except EPDError as exc:
@@ -91,7 +85,7 @@ class HealthMonitor:
             self._report(HealthReport(False, True, f"{req_id} crashed: {type(exc).__name__}"))
         else:
             self.batch_completed()
-            self._report(HealthReport(True, True, f"{req_id} encoded"))
+            self._report(HealthReport(True, True, f"{req_id} encoded ({self._modality})"))
         finally:
             self._inflight = None
             done.set()
@@ -103,4 +97,4 @@ class HealthMonitor:
         self._last_report = report
 
     def statistics(self) -> HealthStatistics:
-        return HealthStatistics(self._probes, self._failures, self._last_ok)
+        return HealthStatistics(self._probes, self._failures, self._last_ok, self._modality)

@@ -16,7 +16,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import outcome
 import trio
@@ -42,6 +42,9 @@ from epd_trio.protocol.requests import EncodeMeta, EncodeRequest
 from epd_trio.transport.mooncake import MooncakeTransport, open_mooncake
 from epd_trio.transport.zmq import PushSocketCache
 
+if TYPE_CHECKING:
+    from epd_trio.testing import FaultPlan
+
 __all__ = ["EncoderService", "open_encoder_service"]
 
 log = logging.getLogger(__name__)
@@ -65,6 +68,7 @@ class EncodeAnswer:
     dim: int
     dtype: str
     embedding: Any = None  # torch.Tensor [tokens, dim] once encoded
+    extras: dict[str, list[Any]] = dataclasses.field(default_factory=dict)  # per item
 
     @property
     def tokens(self) -> int:
@@ -80,13 +84,15 @@ class EncodeAnswer:
         return EncodeMeta(
             req_id=self.request.req_id, part_idx=self.request.part_idx,
             num_parts=self.request.num_parts, modality=self.modality, tokens=self.tokens,
-            dim=self.dim, dtype=self.dtype, token_counts=self.token_counts, grid_thw=self.grid_thw)
+            dim=self.dim, dtype=self.dtype, token_counts=self.token_counts, grid_thw=self.grid_thw,
+            extras=self.extras)
 
 
 def _answer(request: EncodeRequest, modality: str, token_counts: Any, grid_thw: Any, dim: int,
-            dtype: Any, embedding: Any = None) -> EncodeAnswer:
+            dtype: Any, embedding: Any = None, extras: Any = None) -> EncodeAnswer:
     return EncodeAnswer(request, modality, list(token_counts), [list(g) for g in grid_thw], dim,
-                        str(dtype).removeprefix("torch."), embedding)
+                        str(dtype).removeprefix("torch."), embedding,
+                        {key: list(values) for key, values in (extras or {}).items()})
 
 
 class EncoderService:
@@ -103,6 +109,7 @@ class EncoderService:
                                     fresh=config.health_fresh)
         self._nursery = nursery
         self.draining = False
+        self.faults: FaultPlan | None = None  # epd_trio.testing installs one; never the network
 
     # ---- the HTTP handler's side ------------------------------------------
     async def encode(self, request: EncodeRequest) -> EncodeAnswer:
@@ -156,6 +163,8 @@ class EncoderService:
             finally:
                 # Shutdown cancels the request nursery: answer, never leave the handler waiting.
                 scope.set_result(outcome.Error(NotReadyError("the encoder is shutting down")))
+                if self.faults is not None:
+                    await self._release_fault(request)
             # release: leaving register() drops the scope and what it held
 
     async def _encode_and_deliver(self, request: EncodeRequest, scope: RequestScope) -> None:
@@ -167,13 +176,17 @@ class EncoderService:
         def sized(pre: PreprocessResult) -> None:
             if mooncake:  # answer now: the receiver reserves memory while we run the forward
                 scope.set_result(outcome.Value(_answer(
-                    request, pre.modality, pre.token_counts, pre.grid_thw, info.dim, info.dtype)))
+                    request, pre.modality, pre.token_counts, pre.grid_thw, info.dim, info.dtype,
+                    extras=pre.extras)))
 
         try:
             output = await self.engine.encode(request.mm_items, request.modality, on_preprocessed=sized)
             self.health.batch_completed()
             answer = _answer(request, output.modality, output.token_counts, output.grid_thw,
-                             info.dim, output.embedding.dtype, output.embedding)
+                             info.dim, output.embedding.dtype, output.embedding, output.extras)
+            if self.faults is not None and request.deliver.backend != "inline":
+                await self.faults.inject("send", cancel=lambda: scope.cancel(
+                    AbortedError("injected cancellation", req_id=request.req_id)))
             if mooncake:
                 assert self.mooncake is not None
                 await serve_send_orders(self.mooncake, scope.mailbox, output.embedding,
@@ -182,7 +195,8 @@ class EncoderService:
                 header = header_for(
                     output.embedding, req_id=request.req_id, part_idx=request.part_idx,
                     num_parts=request.num_parts, modality=output.modality,
-                    token_counts=output.token_counts, grid_thw=output.grid_thw)
+                    token_counts=output.token_counts, grid_thw=output.grid_thw,
+                    extras=output.extras)
                 await self._send_all(request, encode_zmq_message(header, output.embedding))
             scope.set_result(outcome.Value(answer))
         finally:
@@ -190,6 +204,15 @@ class EncoderService:
                 scope.mailbox.close(UnknownRequestError(
                     f"request {request.req_id!r} part {request.part_idx} was released",
                     req_id=request.req_id))
+
+    async def _release_fault(self, request: EncodeRequest) -> None:
+        """The "release" fault point: a delay or error here must not stop the release."""
+        assert self.faults is not None
+        with trio.CancelScope(shield=True):
+            try:
+                await self.faults.inject("release")
+            except EPDError as exc:
+                log.info("fault at release of %s: %s (released anyway)", request.req_id, exc)
 
     async def _send_all(self, request: EncodeRequest, frames: list[Any]) -> None:
         """Send to every destination as child tasks; the first failure fails the request."""

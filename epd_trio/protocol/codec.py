@@ -60,7 +60,9 @@ _UNPACK_LIMITS: Final[Mapping[str, int]] = MappingProxyType(
          max_ext_len=0)
 )
 _ST_META_KEYS: Final = ("req_id", "part_idx", "num_parts", "modality", "token_counts", "grid_thw")
-_ST_JSON_KEYS: Final = frozenset({"part_idx", "num_parts", "token_counts", "grid_thw"})
+_ST_JSON_KEYS: Final = frozenset({"part_idx", "num_parts", "token_counts", "grid_thw", "extras"})
+# Optional: written only when non-empty, so a v1 reader without extras is unaffected.
+_ST_OPTIONAL_KEYS: Final = ("extras",)
 
 
 def dtype_name(dtype: torch.dtype) -> Dtype:
@@ -80,8 +82,13 @@ def header_for(
     modality: str,
     token_counts: Sequence[int],
     grid_thw: Sequence[Sequence[int]] = (),
+    extras: Mapping[str, Sequence[Any]] | None = None,
 ) -> EmbeddingHeader:
-    """The header describing ``tensor``, so dtype and shape can't disagree with it."""
+    """The header describing ``tensor``, so dtype and shape can't disagree with it.
+
+    ``extras`` maps a name to one value per item (a float or a list of floats);
+    empty or None leaves the header key out.
+    """
     if tensor.dim() != 2:
         raise ValueError(f"an embedding is [tokens, dim], got shape {tuple(tensor.shape)}")
     return EmbeddingHeader(
@@ -93,6 +100,7 @@ def header_for(
         shape=(tensor.shape[0], tensor.shape[1]),
         token_counts=list(token_counts),
         grid_thw=[list(g) for g in grid_thw],
+        extras={key: list(values) for key, values in (extras or {}).items()},
     )
 
 
@@ -180,17 +188,22 @@ def encode_safetensors(embedding: torch.Tensor, metadata: Mapping[str, Any]) -> 
     """The inline ``/encode`` body: tensor ``embedding`` plus string metadata.
 
     ``metadata`` holds ``req_id``, ``part_idx``, ``num_parts``, ``modality``,
-    ``token_counts`` and ``grid_thw`` as Python values; they are checked with
-    the ZMQ header rules, and non-strings stored JSON-encoded.
+    ``token_counts``, ``grid_thw`` and optionally ``extras`` as Python values;
+    they are checked with the ZMQ header rules, and non-strings stored
+    JSON-encoded. Empty ``extras`` are left out.
     """
-    if set(metadata) != set(_ST_META_KEYS):
-        raise ValueError(f"metadata must have exactly the keys {list(_ST_META_KEYS)}")
+    keys = set(metadata)
+    if not set(_ST_META_KEYS) <= keys <= set(_ST_META_KEYS) | set(_ST_OPTIONAL_KEYS):
+        raise ValueError(f"metadata must have exactly the keys {list(_ST_META_KEYS)}"
+                         f" (and optionally {list(_ST_OPTIONAL_KEYS)})")
     header = header_for(embedding, **metadata)
-    header_to_map(header)  # same rules as a ZMQ header: token sums, grid, ids
+    checked = header_to_map(header)  # same rules as a ZMQ header: token sums, grid, ids, extras
     strings = {
         key: json.dumps(metadata[key]) if key in _ST_JSON_KEYS else metadata[key]
         for key in _ST_META_KEYS
     }
+    if "extras" in checked:
+        strings["extras"] = json.dumps(checked["extras"], allow_nan=False)
     t = embedding.detach().cpu().contiguous()
     return save_safetensors({"embedding": t}, metadata=strings)
 
@@ -199,12 +212,15 @@ def decode_safetensors(data: bytes) -> tuple[torch.Tensor, dict[str, Any]]:
     """Parse an inline body into (embedding, metadata with Python values).
 
     The JSON header is validated before the tensor is read; unknown metadata
-    keys (a writer's ``format``) are ignored.
+    keys (a writer's ``format``) are ignored. ``extras`` is in the metadata
+    only when the body has it (validated, numbers as floats).
     """
     dtype, shape, meta = _safetensors_header(data)
     values = _safetensors_metadata(meta)
     m = {"v": 1, "kind": "embedding", "dtype": dtype, "shape": shape, **values}
-    header_from_map(m)
+    header = header_from_map(m)
+    if "extras" in values:
+        values["extras"] = header.extras
     try:
         tensor = load_safetensors(data)["embedding"]
     except safetensors.SafetensorError as exc:
@@ -248,6 +264,8 @@ def _safetensors_header(data: bytes) -> tuple[str, object, dict[str, Any]]:
         head = json.loads(data[8 : 8 + size])
     except ValueError as exc:  # UnicodeDecodeError is a ValueError
         raise ProtocolError(f"safetensors header is not JSON: {exc}") from None
+    except RecursionError:
+        raise ProtocolError("safetensors header is nested too deeply") from None
     if not isinstance(head, dict) or set(head) != {"__metadata__", "embedding"}:
         raise ProtocolError("safetensors body must hold one tensor 'embedding' and metadata")
     entry, meta = head["embedding"], head["__metadata__"]
@@ -262,7 +280,7 @@ def _safetensors_metadata(meta: dict[str, Any]) -> dict[str, Any]:
     if missing := [k for k in _ST_META_KEYS if k not in meta]:
         raise ProtocolError(f"safetensors metadata lacks {missing}")
     values: dict[str, Any] = {}
-    for key in _ST_META_KEYS:
+    for key in (*_ST_META_KEYS, *(k for k in _ST_OPTIONAL_KEYS if k in meta)):
         raw = meta[key]
         if not isinstance(raw, str):
             raise ProtocolError(f"safetensors metadata {key} must be a string")
@@ -271,6 +289,6 @@ def _safetensors_metadata(meta: dict[str, Any]) -> dict[str, Any]:
             continue
         try:
             values[key] = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise ProtocolError(f"safetensors metadata {key} is not JSON") from None
     return values

@@ -8,6 +8,7 @@ malformed message.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -25,11 +26,16 @@ __all__ = [
     "Kind",
     "MAX_AXIS",
     "MAX_ERROR_MESSAGE",
+    "MAX_EXTRAS",
+    "MAX_EXTRA_NAME",
+    "MAX_EXTRA_NUMBERS",
+    "MAX_EXTRA_VALUES",
     "MAX_REQ_ID",
     "MODALITIES",
     "PROTOCOL_VERSION",
     "header_from_map",
     "header_to_map",
+    "validate_extras",
     "validate_req_id",
 ]
 
@@ -48,11 +54,21 @@ MAX_REQ_ID: Final = 256
 MAX_AXIS: Final = 1 << 24
 MAX_ERROR_MESSAGE: Final = 4096
 _MAX_ERROR_TYPE: Final = 128
+# ``extras``: per-item values for the language side (``second_per_grid_ts``,
+# ``timestamps``). A video item has at most a few hundred timestamps (768
+# frames / temporal patch 2); the bounds leave room and cap a hostile header.
+MAX_EXTRAS: Final = 8
+MAX_EXTRA_NAME: Final = 64
+MAX_EXTRA_VALUES: Final = 4096  # numbers in one item's list
+MAX_EXTRA_NUMBERS: Final = 1 << 16  # numbers in all of a header's extras
 _REQUIRED: Final = frozenset(
     {"v", "kind", "req_id", "part_idx", "num_parts", "modality", "dtype", "shape"}
     | {"token_counts", "grid_thw"}
 )
-_ALLOWED: Final = _REQUIRED | {"error"}
+_ALLOWED: Final = _REQUIRED | {"error", "extras"}
+
+Extras = dict[str, list[Any]]
+"""Name → one value per item: a float, or a list of floats (``validate_extras``)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +95,7 @@ class EmbeddingHeader:
     kind: Kind = "embedding"
     error: ErrorInfo | None = None
     v: int = PROTOCOL_VERSION
+    extras: Extras = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -100,6 +117,10 @@ def header_to_map(header: EmbeddingHeader) -> dict[str, Any]:
         "token_counts": list(header.token_counts),
         "grid_thw": [list(g) for g in header.grid_thw],
     }
+    if header.extras:  # absent when empty: a v1 peer without extras reads it unchanged
+        m["extras"] = validate_extras(
+            {key: [list(v) if isinstance(v, tuple) else v for v in values]
+             for key, values in header.extras.items()}, len(header.token_counts))
     if header.error is not None:
         e = header.error
         m["error"] = {"type": e.type, "message": e.message, "status": e.status}
@@ -129,6 +150,9 @@ def header_from_map(m: object) -> EmbeddingHeader:
         raise ProtocolError("an error message must have shape [0, 0]")
     if kind == "embedding" and sum(token_counts) != shape[0]:
         raise ProtocolError(f"token_counts sum to {sum(token_counts)}, shape has {shape[0]}")
+    if kind == "error" and "extras" in m:
+        raise ProtocolError("an error message must not carry extras")
+    extras = validate_extras(m.get("extras", {}), len(token_counts))
     return EmbeddingHeader(
         req_id=validate_req_id(m.get("req_id")),
         part_idx=part_idx,
@@ -140,7 +164,59 @@ def header_from_map(m: object) -> EmbeddingHeader:
         grid_thw=_grid_thw(m.get("grid_thw"), len(token_counts)),
         kind=kind,  # type: ignore[arg-type]
         error=error,
+        extras=extras,
     )
+
+
+def validate_extras(value: object, items: int) -> Extras:
+    """Per-item extras, checked strictly; a normalized copy (numbers as floats).
+
+    A map of at most ``MAX_EXTRAS`` names (str of 1..``MAX_EXTRA_NAME`` chars)
+    to lists of exactly ``items`` entries; under one name every entry is a
+    finite number, or every entry a list of at most ``MAX_EXTRA_VALUES``
+    finite numbers. At most ``MAX_EXTRA_NUMBERS`` numbers in all.
+    """
+    if not isinstance(value, dict):
+        raise ProtocolError("extras must be a map of name to per-item list")
+    if len(value) > MAX_EXTRAS:
+        raise ProtocolError(f"extras has {len(value)} names (max {MAX_EXTRAS})")
+    out: Extras = {}
+    budget = MAX_EXTRA_NUMBERS
+    for name, values in value.items():
+        if not isinstance(name, str) or not 1 <= len(name) <= MAX_EXTRA_NAME:
+            raise ProtocolError(f"extras names must be str of 1..{MAX_EXTRA_NAME} chars")
+        if not isinstance(values, list) or len(values) != items:
+            raise ProtocolError(f"extras {name!r:.70} must be a list of one entry per item "
+                                f"({items})")
+        if values and isinstance(values[0], list):
+            entries: list[Any] = [_numbers(v, name) for v in values]
+            budget -= sum(map(len, entries))
+        else:
+            entries = [_number(v, name) for v in values]
+            budget -= len(entries)
+        if budget < 0:
+            raise ProtocolError(f"extras hold over {MAX_EXTRA_NUMBERS} numbers")
+        out[name] = entries
+    return out
+
+
+def _number(value: object, name: str) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an int past float range (JSON has no int bound)
+            number = math.inf
+        if math.isfinite(number):
+            return number
+    raise ProtocolError(f"extras {name!r:.70}: entries must be finite numbers, or all lists "
+                        f"of them, got {value!r:.40}")
+
+
+def _numbers(value: object, name: str) -> list[float]:
+    if not isinstance(value, list) or len(value) > MAX_EXTRA_VALUES:
+        raise ProtocolError(f"extras {name!r:.70}: entries must be all numbers or all lists of "
+                            f"at most {MAX_EXTRA_VALUES} numbers")
+    return [_number(v, name) for v in value]
 
 
 def validate_req_id(value: object) -> str:

@@ -7,6 +7,7 @@ Field names follow SGLang's EPD encoder.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -83,7 +84,11 @@ class SendRequest:
 
 @dataclass(frozen=True)
 class EncodeMeta:
-    """The JSON answer of a zmq (or mooncake) /encode."""
+    """The JSON answer of a zmq (or mooncake) /encode.
+
+    ``extras`` (per-item values such as ``second_per_grid_ts``; the ZMQ
+    header's schema) is left out of the JSON when empty, as in the header.
+    """
 
     req_id: str
     part_idx: int
@@ -94,6 +99,14 @@ class EncodeMeta:
     dtype: str
     token_counts: list[int]
     grid_thw: list[list[int]]
+    extras: dict[str, list[Any]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The answer's JSON object (without ``extras`` when there are none)."""
+        body = dataclasses.asdict(self)
+        if not self.extras:
+            del body["extras"]
+        return body
 
 
 def _depth(value: Any, limit: int = MAX_JSON_DEPTH) -> int:

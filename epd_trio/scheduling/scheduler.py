@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import outcome
 import trio
@@ -28,11 +28,15 @@ from epd_trio.errors import EncodeError, EPDError, NotReadyError, OverloadedErro
 from epd_trio.model.adapters import PreprocessResult
 from epd_trio.scheduling.policy import Batch, BatchPolicy, QueuedRequest, Wait, next_batch
 
+if TYPE_CHECKING:
+    from epd_trio.testing import FaultPlan
+
 __all__ = ["Forward", "Job", "Scheduler", "SchedulerStatistics"]
 
 log = logging.getLogger(__name__)
 
 Forward = Callable[[Sequence[PreprocessResult]], list[Any]]
+RunSync = Callable[..., Awaitable[Any]]  # trio.to_thread.run_sync's shape
 
 # Requests that skip admission (health probes) need channel room of their own.
 _BYPASS_HEADROOM = 8
@@ -88,6 +92,8 @@ class Scheduler:
         self._inflight: list[Job] = []
         self._admitted = self._running = 0
         self._done = self._failed = self._dropped = self._batches = self._retried = 0
+        self.faults: FaultPlan | None = None  # the "forward" point runs in the worker thread
+        self.run_sync: RunSync = trio.to_thread.run_sync
 
     # ---- caller side ------------------------------------------------------
     @contextmanager
@@ -206,7 +212,12 @@ class Scheduler:
         payloads = [j.payload for j in jobs]
         # Not abandon_on_cancel: a running forward cannot be interrupted, and
         # its thread must finish before the model may be torn down.
-        return await trio.to_thread.run_sync(self._forward, payloads, limiter=self._limiter)
+        return await self.run_sync(self._forward_with_faults, payloads, limiter=self._limiter)
+
+    def _forward_with_faults(self, payloads: list[PreprocessResult]) -> list[Any]:
+        if self.faults is not None:
+            self.faults.inject_sync("forward")
+        return self._forward(payloads)
 
     def _deliver(self, job: Job, result: outcome.Outcome) -> None:
         if job.abandoned:
