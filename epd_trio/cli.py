@@ -33,7 +33,7 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from epd_trio.demo import run_demo
 
-    print(trio.run(run_demo, config_from_args(EngineConfig, args), args.encoders))
+    print(trio.run(run_demo, config_from_args(EngineConfig, args), args.encoders, args.transfer_backend))
     return 0
 
 
@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="two encoders and a client in one program: encode sample "
                           "images split across both, check, print a table")
     demo.add_argument("--encoders", type=int, default=2, help="how many encoders to start")
+    demo.add_argument("--transfer-backend", choices=("zmq", "mooncake"), default="zmq",
+                      help="how embeddings travel (mooncake needs the mooncake extra)")
     add_config_arguments(demo, EngineConfig)
     demo.set_defaults(run=_demo)
     return parser

@@ -37,7 +37,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join([line(heads), line("-" * w for w in widths), *(line(r.values()) for r in rows)])
 
 
-async def run_demo(engine_config: EngineConfig, encoders: int = 2) -> str:
+async def run_demo(engine_config: EngineConfig, encoders: int = 2, transfer_backend: str = "zmq") -> str:
     """A registry, encoders and a client in one trio program: discover, encode, check.
 
     The encoders register themselves with the registry; the client discovers
@@ -56,11 +56,12 @@ async def run_demo(engine_config: EngineConfig, encoders: int = 2) -> str:
     async with AsyncExitStack() as stack:
         registry = await stack.enter_async_context(serve_bootstrap(BootstrapConfig(port=0)))
         servers = [await stack.enter_async_context(serve_encoder(EncoderConfig(
-            port=0, engine=engine_config, register_url=(registry.url,)))) for _ in range(encoders)]
+            port=0, engine=engine_config, register_url=(registry.url,),
+            transfer_backend=transfer_backend))) for _ in range(encoders)]
         await _until_registered(registry, encoders)
         local = await stack.enter_async_context(open_engine(engine_config))
         client = await stack.enter_async_context(open_encoder_client(
-            ClientConfig(bootstrap_url=registry.url)))
+            ClientConfig(bootstrap_url=registry.url, transfer_backend=transfer_backend)))
         started = time.perf_counter()
         async with await client.encode({"image": images}) as result:
             total = time.perf_counter() - started
@@ -74,7 +75,7 @@ async def run_demo(engine_config: EngineConfig, encoders: int = 2) -> str:
     title = (f"registry + {len(servers)} encoders of {info.model_type} "
              f"({'RANDOM tiny weights' if info.random_weights else 'checkpoint'}), dim {info.dim}, "
              f"{info.dtype} on {info.device}; encoders discovered through the registry; "
-             f"delivery over ZMQ")
+             f"delivery over {'Mooncake (TCP)' if transfer_backend == 'mooncake' else 'ZMQ'}")
     summary = (f"total: {len(rows)} images, {sum(r['tokens'] for r in rows)} tokens in "
                f"{len(result.parts)} parts, {total * 1000:.1f} ms end to end; stitched result equals "
                f"a local engine encode: {'yes' if ok else 'NO'} (relative error {err:.1e})")

@@ -29,3 +29,13 @@ def test_demo_prints_a_table(qwen25_path: str, capsys: pytest.CaptureFixture[str
 def test_bad_flag_value_is_a_clean_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--model-path", "/nonexistent/model"]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_demo_over_mooncake(qwen25_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+
+    if os.environ.get("EPD_REQUIRE_MOONCAKE") != "1":
+        pytest.importorskip("mooncake.engine", reason="Mooncake is an optional extra (epd-trio[mooncake-cpu])")
+    assert main(["demo", "--model-path", qwen25_path, "--transfer-backend", "mooncake"]) == 0
+    out = capsys.readouterr().out
+    assert "delivery over Mooncake" in out and "equals a local engine encode: yes" in out

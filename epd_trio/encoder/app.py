@@ -88,7 +88,7 @@ def _routes(app: QuartTrio, service: EncoderService) -> None:
     @app.post("/abort")
     async def abort() -> Response:
         req = parse_abort_request(await _body())
-        return json_response({"req_id": req.req_id, "aborted": service.abort(req.req_id, req.part_idx)})
+        return json_response({"req_id": req.req_id, "aborted": await service.abort(req.req_id, req.part_idx)})
 
     @app.get("/health")
     async def health() -> Response:

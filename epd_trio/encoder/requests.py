@@ -102,15 +102,15 @@ class RequestRegistry:
         except KeyError:
             raise UnknownRequestError(f"no live request {key[0]!r} part {key[1]}", req_id=key[0]) from None
 
-    def abort(self, req_id: str, part_idx: int | None, reason: EPDError) -> int:
-        """Cancel the matching scopes; how many there were (404 when none)."""
+    def abort(self, req_id: str, part_idx: int | None, reason: EPDError) -> list[RequestScope]:
+        """Cancel the matching scopes and return them (404 when none)."""
         hits = [s for k, s in self._live.items()
                 if k[0] == req_id and (part_idx is None or k[1] == part_idx)]
         if not hits:
             raise UnknownRequestError(f"no live request {req_id!r}", req_id=req_id)
         for scope in hits:
             scope.cancel(reason)
-        return len(hits)
+        return hits
 
     def cancel_all(self, reason: EPDError) -> None:
         for scope in list(self._live.values()):

@@ -88,6 +88,11 @@ class EncodeAnswer:
             extras=self.extras)
 
 
+def _released(request: EncodeRequest) -> EPDError:
+    return UnknownRequestError(f"request {request.req_id!r} part {request.part_idx} was released",
+                               req_id=request.req_id)
+
+
 def _answer(request: EncodeRequest, modality: str, token_counts: Any, grid_thw: Any, dim: int,
             dtype: Any, embedding: Any = None, extras: Any = None) -> EncodeAnswer:
     return EncodeAnswer(request, modality, list(token_counts), [list(g) for g in grid_thw], dim,
@@ -139,8 +144,18 @@ class EncoderService:
         assert order.result is not None
         return order.result.unwrap()
 
-    def abort(self, req_id: str, part_idx: int | None) -> int:
-        return self.registry.abort(req_id, part_idx, AbortedError("aborted by /abort", req_id=req_id))
+    async def abort(self, req_id: str, part_idx: int | None) -> int:
+        """Cancel the matching scopes; Mooncake ones are waited for (bounded).
+
+        A Mooncake scope may be writing into the receiver's memory: the answer
+        to ``/abort`` is the receiver's signal that it may reuse that memory.
+        """
+        scopes = self.registry.abort(req_id, part_idx, AbortedError("aborted by /abort", req_id=req_id))
+        with trio.move_on_after(self.config.send_timeout):
+            for scope in scopes:
+                if scope.mailbox is not None:
+                    await scope.finished.wait()
+        return len(scopes)
 
     # ---- the request scope --------------------------------------------------
     async def _run_scope(self, request: EncodeRequest, *,
@@ -199,11 +214,14 @@ class EncoderService:
                     extras=output.extras)
                 await self._send_all(request, encode_zmq_message(header, output.embedding))
             scope.set_result(outcome.Value(answer))
-        finally:
+        except BaseException as exc:
+            if mooncake:  # /send callers waiting for this request learn why it ended
+                reason = exc if isinstance(exc, EPDError) else scope.cancel_reason
+                scope.mailbox.close(reason or _released(request))
+            raise
+        else:
             if mooncake:
-                scope.mailbox.close(UnknownRequestError(
-                    f"request {request.req_id!r} part {request.part_idx} was released",
-                    req_id=request.req_id))
+                scope.mailbox.close(_released(request))
 
     async def _release_fault(self, request: EncodeRequest) -> None:
         """The "release" fault point: a delay or error here must not stop the release."""

@@ -36,8 +36,10 @@ INSTALL_HINT = ("the Mooncake transfer engine is not installed: pip install 'epd
 
 _PENDING, _DONE = 0, 1
 _POLL_MIN, _POLL_MAX = 0.0005, 0.02
-# After a timeout the transfer may still read its source: how long we keep it
-# alive at most before giving up on the engine and logging the leak.
+# An abandoned write is waited for this long (so its caller answers only once no
+# byte can still land); after that the reaper keeps its source alive, up to
+# _REAP_LIMIT, before giving up on the engine and logging the leak.
+_SETTLE_LIMIT = 10.0
 _REAP_LIMIT = 600.0
 
 
@@ -126,9 +128,8 @@ class MooncakeTransport:
         try:
             with trio.fail_after(timeout):
                 status = await self._poll(batch)
-        except BaseException as exc:  # timed out or cancelled: the engine may still read `local`
-            self._hold(local)  # before our caller's finally can unregister it
-            self._nursery.start_soon(self._reap, batch, local, keepalive)
+        except BaseException as exc:  # timed out or cancelled: the engine may still be writing
+            await self._settle(batch, local, keepalive)
             if isinstance(exc, trio.TooSlowError):
                 self._timeouts += 1
                 raise TransferTimeout(
@@ -147,6 +148,21 @@ class MooncakeTransport:
             await trio.sleep(delay)
             delay = min(delay * 2, _POLL_MAX)
         return int(status)
+
+    async def _settle(self, batch: int, local: int, keepalive: object) -> None:
+        """Wait (shielded, bounded) until an abandoned write has stopped.
+
+        Until it has, the engine may still read our source *and write into the
+        peer's buffer*: answering before that would let the receiver reuse
+        memory a late write then lands in. Past ``_SETTLE_LIMIT`` the source is
+        handed to the reaper and kept alive for as long as the engine needs it.
+        """
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(_SETTLE_LIMIT):
+                await self._poll(batch)
+                return
+        self._hold(local)  # before our caller's finally can unregister it
+        self._nursery.start_soon(self._reap, batch, local, keepalive)
 
     def _hold(self, local: int) -> None:
         region = self._region_of(local)

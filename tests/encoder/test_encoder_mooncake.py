@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -112,3 +113,18 @@ async def test_mooncake_delivery_refused_without_the_backend(encoder: Any) -> No
     async with encoder() as (_, http):
         r = await http.post("/encode", json=body("x", png_bytes(56, 56)))
     assert r.status_code == 400 and "--transfer-backend mooncake" in r.json()["error"]["message"]
+
+
+async def test_send_waiting_on_a_failed_forward_learns_why(encoder: Any) -> None:
+    from epd_trio.testing import Fault, FaultPlan, InjectedFault, install_faults
+
+    async with encoder(transfer_backend="mooncake") as (server, http), receiver(1 << 16) as (mc, buf):
+        def slow_failure(point: str) -> InjectedFault:
+            time.sleep(0.5)  # in the worker thread: the /send below arrives while the forward runs
+            return InjectedFault("GPU fell off")
+
+        install_faults(FaultPlan(0, [Fault("forward", error=slow_failure)]), server.service.engine.scheduler)
+        meta = (await http.post("/encode", json=body("f", png_bytes(56, 56)))).json()  # sized early
+        r = await http.post("/send", json={"req_id": "f", "session": mc.session, "buffer_address": buf.data_ptr(),
+                                           "buffer_length": meta["nbytes"]})
+    assert r.status_code == 500 and "GPU fell off" in r.json()["error"]["message"]

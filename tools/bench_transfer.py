@@ -1,0 +1,400 @@
+"""Benchmark: moving one embedding — ZMQ, Mooncake, a raw socket and memcpy, side by side.
+
+For each size (MiB: 1, 4, 16, 64, 256, 512; ``--quick``: up to 64) one bfloat16
+``[tokens, 2048]`` embedding is moved, in this process, by:
+
+* ``memcpy``: ``dst.copy_(src)`` of the same bytes — the ceiling;
+* ``fresh buffer``: not a transfer: allocating and filling a new buffer of
+  that size, the page faults a receiver pays when every message gets new
+  memory (ZMQ's PULL side does; the pool and Mooncake's destination do not);
+* ``raw tcp``: a plain loopback TCP socket, ``sendall`` from one thread into
+  ``recv_into`` a preallocated buffer in another — the reference the others
+  are compared with (the ``x raw`` columns);
+* ``zmq tcp`` / ``zmq ipc``: the encoder's ZMQ path: ``header_for`` +
+  ``encode_zmq_message`` sent by a ``PushSocketCache`` to a ``PullReceiver``
+  (trio, zero-copy frames), decoded to a tensor over the received frame. The
+  client then copies it into its pool once more (one memcpy, not timed here);
+* ``mooncake tcp``: ``MooncakeTransport.write`` from a registered source to a
+  second engine's registered destination (two engines, loopback TCP): the
+  bytes land where the receiver wants them. The first transfer to a peer
+  includes a handshake: it is done in a warm-up, as is one transfer of every
+  method at every size.
+
+The methods take turns, ``--repeat`` times per size, so load drift on a shared
+machine hits all alike; the table shows the median as GB/s (10^9 bytes/s).
+
+**Encoder-side copies, counted.** An extra copy of the payload shows up as
+resident memory: the peak RSS (``VmHWM``, reset through
+``/proc/self/clear_refs``) is measured around sends of an already resident
+payload, together with ``tracemalloc``'s peak (the Python heap: a ``bytes``
+copy would show there). ``zmq tcp send`` sends with ``encode_zmq_message`` +
+``PushSocketCache.send`` to a PULL socket in a child process (so the
+receiver's frames are not counted); ``mooncake write`` writes into a
+preallocated, resident destination (both engines here, so both sides are
+counted). A control row adds one ``clone()`` per send: it reads 1 or more
+(the allocator may keep the last clone while making the next), which shows
+the method sees a copy when there is one.
+
+Usage::
+
+    .venv/bin/python tools/bench_transfer.py --quick          # ~30 s, up to 64 MiB
+    .venv/bin/python tools/bench_transfer.py                  # ~1-2 min, up to 512 MiB
+    .venv/bin/python tools/bench_transfer.py --sizes 1,16,128 --repeat 7 --plot /tmp/t.png
+
+The plot needs matplotlib (not a dependency of epd-trio: ``pip install
+matplotlib``); without it the table is still printed. Benchmarks report; they
+do not assert.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import queue
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import tracemalloc
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+os.environ.setdefault("GLOG_minloglevel", "2")  # the Mooncake engine's glog noise
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import trio  # noqa: E402
+
+from epd_trio.errors import TransportError  # noqa: E402
+from epd_trio.protocol.codec import encode_zmq_message, header_for  # noqa: E402
+from epd_trio.transport.mooncake import MooncakeTransport, open_mooncake  # noqa: E402
+from epd_trio.transport.zmq import PullReceiver, PushSocketCache  # noqa: E402
+
+MiB = 1 << 20
+DIM = 2048  # bfloat16 [tokens, 2048]: every MiB size is a whole number of rows
+FULL_SIZES = (1, 4, 16, 64, 256, 512)
+QUICK_SIZES = (1, 4, 16, 64)
+REFERENCE = "raw tcp"
+INTO_DST = frozenset({"memcpy", REFERENCE, "mooncake tcp"})  # the zmq ones land in a frame
+NOT_TRANSFERS = frozenset({"memcpy", "fresh buffer", REFERENCE})  # no "x raw" ratio
+
+Once = Callable[[int], Awaitable[None]]  # one timed run on n bytes (most move src[:n] to dst)
+
+
+def embedding(buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
+    return buffer[:nbytes].view(torch.bfloat16).view(-1, DIM)
+
+
+def zmq_frames(tensor: torch.Tensor) -> list:
+    header = header_for(tensor, req_id="bench", part_idx=0, num_parts=1, modality="image",
+                        token_counts=[tensor.shape[0]])
+    return encode_zmq_message(header, tensor)
+
+
+# ---- the methods ------------------------------------------------------------------
+def memcpy_method(src: torch.Tensor, dst: torch.Tensor) -> Once:
+    async def once(n: int) -> None:
+        dst[:n].copy_(src[:n])
+    return once
+
+
+async def fresh_buffer(n: int) -> None:
+    torch.empty(n, dtype=torch.uint8).fill_(1)
+
+
+class RawSocket:
+    """A connected loopback pair; a thread receives into ``dst`` on request."""
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        listener = socket.create_server(("127.0.0.1", 0))
+        self.tx = socket.create_connection(listener.getsockname())
+        self.rx, _ = listener.accept()
+        listener.close()
+        self.src, self.dst = memoryview(src.numpy()), memoryview(dst.numpy())
+        self.jobs: queue.Queue[int | None] = queue.Queue()
+        self.done: queue.Queue[int] = queue.Queue()
+        self.thread = threading.Thread(target=self._receive, daemon=True)
+        self.thread.start()
+
+    def _receive(self) -> None:
+        while (n := self.jobs.get()) is not None:
+            got = 0
+            while got < n:
+                got += self.rx.recv_into(self.dst[got:n])
+            self.done.put(got)
+
+    def transfer(self, n: int) -> None:
+        self.jobs.put(n)
+        self.tx.sendall(self.src[:n])
+        self.done.get()
+
+    async def once(self, n: int) -> None:
+        await trio.to_thread.run_sync(self.transfer, n)
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join()
+        self.tx.close()
+        self.rx.close()
+
+
+async def zmq_method(stack: AsyncExitStack, bind: str, src: torch.Tensor) -> Once:
+    pull = await stack.enter_async_context(PullReceiver(bind))
+    push = await stack.enter_async_context(PushSocketCache())
+    endpoint = pull.last_endpoint
+
+    async def once(n: int) -> None:
+        frames = zmq_frames(embedding(src, n))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(push.send, endpoint, frames, 60.0)
+            _, tensor = await pull.receive()
+        assert tensor is not None and tensor.numel() * 2 == n
+    return once
+
+
+async def mooncake_pair(stack: AsyncExitStack, src: torch.Tensor, dst: torch.Tensor
+                        ) -> tuple[MooncakeTransport, MooncakeTransport]:
+    sender = await stack.enter_async_context(open_mooncake("127.0.0.1"))
+    receiver = await stack.enter_async_context(open_mooncake("127.0.0.1"))
+    await stack.enter_async_context(sender.registered(src.data_ptr(), src.numel()))
+    await stack.enter_async_context(receiver.registered(dst.data_ptr(), dst.numel()))
+    await sender.write(receiver.session, src.data_ptr(), dst.data_ptr(), 4096, timeout=30)  # handshake
+    return sender, receiver
+
+
+def mooncake_method(pair: tuple[MooncakeTransport, MooncakeTransport], src: torch.Tensor,
+                    dst: torch.Tensor) -> Once:
+    sender, receiver = pair
+
+    async def once(n: int) -> None:
+        await sender.write(receiver.session, src.data_ptr(), dst.data_ptr(), n,
+                           timeout=30 + n / 1e8)
+    return once
+
+
+# ---- throughput -------------------------------------------------------------------
+async def measure(methods: dict[str, Once], sizes: list[int], repeat: int,
+                  dst: torch.Tensor, src: torch.Tensor) -> dict[str, dict[int, float]]:
+    """Median GB/s per method and size; every method's copy is checked once per size."""
+    gbps: dict[str, dict[int, float]] = {name: {} for name in methods}
+    for size in sizes:
+        n = size * MiB
+        times: dict[str, list[float]] = {name: [] for name in methods}
+        for name, once in methods.items():  # warm-up, and proof the bytes arrived
+            dst[:n].zero_()
+            await once(n)
+            if name in INTO_DST:
+                assert torch.equal(dst[:n], src[:n]), f"{name} moved the wrong bytes"
+        for _ in range(repeat):
+            for name, once in methods.items():
+                start = time.perf_counter()
+                await once(n)
+                times[name].append(time.perf_counter() - start)
+        for name in methods:
+            gbps[name][size] = n / statistics.median(times[name]) / 1e9
+        print(f"  {size:>4} MiB: " + ", ".join(f"{k} {v[size]:.2f}" for k, v in gbps.items()),
+              flush=True)
+    return gbps
+
+
+def table(gbps: dict[str, dict[int, float]], sizes: list[int]) -> str:
+    names = list(gbps)
+    head = ["size MiB"] + [f"{m} GB/s" + ("" if m in NOT_TRANSFERS else " (x raw)")
+                           for m in names]
+    rows = []
+    for size in sizes:
+        ref = gbps.get(REFERENCE, {}).get(size)
+        cells = [str(size)]
+        for m in names:
+            value = gbps[m][size]
+            ratio = f" ({value / ref:.2f})" if ref and m not in NOT_TRANSFERS else ""
+            cells.append(f"{value:.2f}{ratio}")
+        rows.append(cells)
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [head, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def plot(gbps: dict[str, dict[int, float]], sizes: list[int], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"no plot: matplotlib is not installed (pip install matplotlib; "
+              f"it is not a dependency of epd-trio); {path} not written")
+        return
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for name, values in gbps.items():
+        ax.plot(sizes, [values[s] for s in sizes], marker="o",
+                linestyle="--" if name in NOT_TRANSFERS else "-", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(sizes, [str(s) for s in sizes])
+    ax.set_xlabel("embedding size (MiB)")
+    ax.set_ylabel("throughput (GB/s, median)")
+    ax.set_title(f"epd_trio transfer, loopback, {os.cpu_count()} cores")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
+# ---- counting copies --------------------------------------------------------------
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+async def count_extra(send: Callable[[], Awaitable[None]], sends: int) -> tuple[int, int]:
+    """(peak RSS growth, tracemalloc peak) in bytes over ``sends`` calls of ``send``."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        if not _reset_peak_rss():
+            raise RuntimeError("cannot reset the peak RSS (/proc/self/clear_refs)")
+        base = _status_kib("VmRSS")
+        tracemalloc.reset_peak()
+        for _ in range(sends):
+            await send()
+        peak_rss = _status_kib("VmHWM") - base
+        _, py_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return max(peak_rss, 0) * 1024, py_peak
+
+
+def _sink_main(count: int) -> int:
+    """Child process: a plain PULL socket that drops ``count`` messages."""
+    import zmq
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind("tcp://127.0.0.1:*")
+    print(pull.getsockopt_string(zmq.LAST_ENDPOINT), flush=True)
+    for _ in range(count):
+        pull.recv_multipart(copy=False)
+    print("done", flush=True)
+    pull.close(linger=0)
+    ctx.term()
+    return 0
+
+
+async def count_copies(size_mib: int, sends: int, mooncake: bool) -> list[tuple[str, int, int]]:
+    n = size_mib * MiB
+    payload = torch.empty(n, dtype=torch.uint8).random_()  # resident before counting
+    tensor = embedding(payload, n)
+    rows = []
+    sink = subprocess.Popen([sys.executable, __file__, "--zmq-sink", str(1 + 2 * sends)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        endpoint = (await trio.to_thread.run_sync(sink.stdout.readline)).strip()  # type: ignore[union-attr]
+        async with PushSocketCache() as push:
+            await push.send(endpoint, zmq_frames(embedding(payload, 4096)), 30)  # connect first
+            rows.append(("zmq tcp send", *await count_extra(
+                lambda: push.send(endpoint, zmq_frames(tensor), 60), sends)))
+            rows.append(("control: clone + zmq tcp send", *await count_extra(
+                lambda: push.send(endpoint, zmq_frames(tensor.clone()), 60), sends)))
+        await trio.to_thread.run_sync(sink.stdout.readline)  # type: ignore[union-attr]
+    finally:
+        if sink.poll() is None:
+            sink.kill()
+        sink.wait()
+        if sink.stdout is not None:
+            sink.stdout.close()
+    if mooncake:
+        dst = torch.empty(n, dtype=torch.uint8).fill_(1)
+        async with AsyncExitStack() as stack:
+            sender, receiver = await mooncake_pair(stack, payload, dst)
+            rows.append(("mooncake write", *await count_extra(
+                lambda: sender.write(receiver.session, payload.data_ptr(), dst.data_ptr(), n,
+                                     timeout=60), sends)))
+    return rows
+
+
+# ---- main -------------------------------------------------------------------------
+async def run(args: argparse.Namespace) -> None:
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else \
+        list(QUICK_SIZES if args.quick else FULL_SIZES)
+    repeat = args.repeat or (5 if args.quick else 7)
+    torch.set_num_threads(args.torch_threads)  # a plain memcpy; OpenMP barriers are noise here
+    top = max(sizes) * MiB
+    src = torch.empty(top, dtype=torch.uint8).random_()
+    dst = torch.empty(top, dtype=torch.uint8).fill_(0)
+    print(f"sizes {sizes} MiB, {repeat} runs each (median), {os.cpu_count()} cores, "
+          f"torch {torch.__version__} ({torch.get_num_threads()} threads)", flush=True)
+    async with AsyncExitStack() as stack:
+        raw = RawSocket(src, dst)
+        stack.callback(raw.close)
+        methods: dict[str, Once] = {"memcpy": memcpy_method(src, dst), "fresh buffer": fresh_buffer,
+                                    REFERENCE: raw.once}
+        methods["zmq tcp"] = await zmq_method(stack, "tcp://127.0.0.1:0", src)
+        ipc_dir = stack.enter_context(tempfile.TemporaryDirectory())
+        methods["zmq ipc"] = await zmq_method(stack, f"ipc://{ipc_dir}/bench.sock", src)
+        mooncake = not args.skip_mooncake
+        if mooncake:
+            try:
+                pair = await mooncake_pair(stack, src, dst)
+                methods["mooncake tcp"] = mooncake_method(pair, src, dst)
+            except TransportError as exc:
+                mooncake = False
+                print(f"mooncake skipped: {exc}")
+        gbps = await measure(methods, sizes, repeat, dst, src)
+    print()
+    print(table(gbps, sizes))
+    for name in ("zmq tcp", "zmq ipc", "mooncake tcp"):
+        if name in gbps:
+            ratios = [gbps[name][s] / gbps[REFERENCE][s] for s in sizes]
+            print(f"{name}: ratio to the raw socket min {min(ratios):.2f}, median"
+                  f" {statistics.median(ratios):.2f} (target >= 0.8)")
+    if args.plot:
+        plot(gbps, sizes, args.plot)
+    del src, dst
+    gc.collect()
+
+    size = args.copy_check_mib or (16 if args.quick else 64)
+    print(f"\nencoder-side copies: a resident {size} MiB payload, 3 sends each")
+    rows = await count_copies(size, 3, mooncake)
+    print(f"{'path':<32}{'peak RSS growth':>18}{'/ payload':>11}{'tracemalloc peak':>18}")
+    for name, rss, py in rows:
+        print(f"{name:<32}{rss / MiB:>14.2f} MiB{rss / (size * MiB):>11.3f}{py / 1024:>14.1f} KiB")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="sizes up to 64 MiB, 5 runs each")
+    parser.add_argument("--sizes", help="comma-separated sizes in MiB (overrides --quick's)")
+    parser.add_argument("--repeat", type=int, help="timed runs per size and method (default 7, --quick 5)")
+    parser.add_argument("--plot", default="bench_transfer.png", help="PNG to write ('' for none)")
+    parser.add_argument("--torch-threads", type=int, default=1, help="torch threads (memcpy)")
+    parser.add_argument("--skip-mooncake", action="store_true", help="leave Mooncake out")
+    parser.add_argument("--copy-check-mib", type=int,
+                        help="payload of the copy count (default 64, --quick 16)")
+    parser.add_argument("--zmq-sink", type=int, help=argparse.SUPPRESS)  # the child process
+    args = parser.parse_args(argv)
+    if args.zmq_sink:
+        return _sink_main(args.zmq_sink)
+    trio.run(run, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
