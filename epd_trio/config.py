@@ -209,8 +209,9 @@ class ClientConfig:
                                    "(in the background, never on a request's path)")
     registry_timeout: float = _opt(2.0, "seconds one registry query may take")
     transfer_backend: str = _opt("zmq", "how embeddings arrive: zmq (pushed to the client's PULL "
-                                 "socket) or mooncake (written straight into the registered pool; "
-                                 "needs the mooncake extra)")
+                                 "socket), mooncake (written straight into the registered pool; "
+                                 "needs the mooncake extra) or inline (in the HTTP answers: no "
+                                 "sockets of its own; simple set-ups and in-process tests)")
     mooncake_host: str = _opt("127.0.0.1", "address encoders' Mooncake engines reach this client at")
     mooncake_protocol: str = _opt("tcp", "Mooncake transport: tcp, or rdma where RDMA NICs exist")
     mooncake_device: str = _opt("", "Mooncake RDMA device names (e.g. mlx5_0), empty for tcp")
@@ -220,8 +221,9 @@ class ClientConfig:
                      "registry_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.transfer_backend not in ("zmq", "mooncake"):
-            raise ValueError(f"transfer_backend must be zmq or mooncake, got {self.transfer_backend!r}")
+        if self.transfer_backend not in ("zmq", "mooncake", "inline"):
+            raise ValueError(f"transfer_backend must be zmq, mooncake or inline, "
+                             f"got {self.transfer_backend!r}")
         if self.pool_bytes < 1:
             raise ValueError(f"pool_bytes must be at least 1, got {self.pool_bytes}")
         for url in self.encoder_urls:

@@ -159,7 +159,8 @@ class NotQuiescent(AssertionError):
 
 def _walk(path: tuple[str, ...], value: Any) -> Iterable[tuple[tuple[str, ...], Any]]:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = dataclasses.asdict(value)
+        # field by field, not asdict(): that deep-copies, and mappingproxy fields cannot be
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     if isinstance(value, Mapping):
         for key, sub in value.items():
             yield from _walk((*path, str(key)), sub)

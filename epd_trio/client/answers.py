@@ -9,7 +9,7 @@ anything that breaks the protocol is a ``ProtocolError``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Final
+from typing import Any, Final
 
 import httpx
 
@@ -20,9 +20,11 @@ from epd_trio.protocol.messages import (
     EmbeddingHeader,
     validate_extras,
 )
+from epd_trio.protocol.codec import decode_safetensors, header_for
 from epd_trio.protocol.requests import EncodeMeta
 
 __all__ = [
+    "inline_message",
     "RemoteEncodeError",
     "check_message",
     "check_sized_meta",
@@ -152,3 +154,18 @@ def check_sent(response: httpx.Response, req_id: str, part_idx: int, nbytes: int
     if got != (req_id, part_idx, nbytes):
         raise ProtocolError(f"{encoder_url} answered /send with (req_id, part_idx, nbytes) {got!r:.200},"
                             f" expected {(req_id, part_idx, nbytes)}", req_id=req_id)
+
+
+def inline_message(response: httpx.Response, req_id: str, part: Any, num_parts: int,
+                   encoder_url: str) -> tuple[EmbeddingHeader, Any]:
+    """An inline (safetensors) answer as the same (header, tensor) a ZMQ message gives."""
+    tensor, meta = decode_safetensors(response.content)
+    where = f"{encoder_url} part {part.part_idx}"
+    if (meta.get("req_id"), meta.get("part_idx"), meta.get("num_parts")) != (req_id, part.part_idx, num_parts):
+        raise ProtocolError(f"{where}: the answer is for {meta.get('req_id')!r} part {meta.get('part_idx')}")
+    if meta.get("modality") != part.modality or len(meta.get("token_counts", ())) != len(part.item_indices):
+        raise ProtocolError(f"{where}: the answer does not match the part's modality or item count")
+    header = header_for(tensor, req_id=req_id, part_idx=part.part_idx, num_parts=num_parts,
+                        modality=part.modality, token_counts=meta["token_counts"],
+                        grid_thw=meta.get("grid_thw", ()), extras=meta.get("extras"))
+    return header, tensor

@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import AsyncExitStack, aclosing
 from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import httpx
 import torch
@@ -46,6 +46,7 @@ from epd_trio.client.answers import (
     check_sent,
     check_sized_meta,
     http_error,
+    inline_message,
     parse_meta,
     parse_sized_meta,
     zmq_error,
@@ -75,6 +76,9 @@ from epd_trio.errors import (
 from epd_trio.protocol.messages import EmbeddingHeader, validate_req_id
 from epd_trio.transport.mooncake import MooncakeStatistics, MooncakeTransport, open_mooncake
 from epd_trio.transport.zmq import PullReceiver, validate_endpoint
+
+if TYPE_CHECKING:
+    from epd_trio.testing import FaultPlan
 
 __all__ = [
     "ClientStatistics",
@@ -159,6 +163,7 @@ class EncoderClient:
         self.pool = EmbeddingPool(config.pool_bytes)
         self.endpoint = ""  # advertised to encoders; set once open (zmq only)
         self.mooncake: MooncakeTransport | None = None  # set once open (mooncake only)
+        self.faults: FaultPlan | None = None  # epd_trio.testing installs one; never the network
         self._transport = http_transport
         self._http: httpx.AsyncClient | None = None
         self._pull: PullReceiver | None = None
@@ -179,7 +184,7 @@ class EncoderClient:
         try:
             if self.config.transfer_backend == "mooncake":
                 await self._open_mooncake()
-            else:
+            elif self.config.transfer_backend == "zmq":
                 self._pull = await self._stack.enter_async_context(PullReceiver(self.config.zmq_bind))
                 self.endpoint = advertised_endpoint(self._pull.last_endpoint, self.config.zmq_advertise)
             timeout = httpx.Timeout(None, connect=self.config.connect_timeout)  # deadlines are ours
@@ -320,7 +325,10 @@ class EncoderClient:
         raise req.failure
 
     async def _assemble(self, req: _LiveRequest) -> EncodedRequest:
-        """ZMQ: copy the received parts into one slot."""
+        """ZMQ and inline: copy the received parts into one slot."""
+        if self.faults is not None:
+            await self.faults.inject("client_gather", cancel=lambda: req.fail(
+                AbortedError("injected cancellation", req_id=req.req_id)))
         received = []
         for state in req.parts:
             assert state.message is not None and state.message[1] is not None
@@ -362,8 +370,15 @@ class EncoderClient:
         staged = False
         try:
             state.started = trio.current_time()
+            if self.faults is not None:
+                await self.faults.inject("client_dispatch", cancel=lambda: req.fail(
+                    AbortedError("injected cancellation", req_id=req.req_id)))
             response = await self._post(req, state)
             part, num_parts = state.part, len(req.parts)
+            if self.config.transfer_backend == "inline":
+                state.message = inline_message(response, req.req_id, part, num_parts, state.encoder_url)
+                state.finished = trio.current_time()
+                return
             if self.mooncake is not None:
                 meta, nbytes = parse_sized_meta(response, req.req_id, part.part_idx, num_parts)
                 check_sized_meta(meta, nbytes, part.modality, len(part.item_indices),
@@ -413,8 +428,9 @@ class EncoderClient:
     async def _post(self, req: _LiveRequest, state: _PartState) -> httpx.Response:
         """POST /encode, its 200 answer; on a connect error move the part to another encoder."""
         part, http = state.part, self._require_open()
-        deliver = {"backend": "mooncake"} if self.mooncake is not None else \
-            {"backend": "zmq", "endpoint": self.endpoint}
+        deliver = {"backend": self.config.transfer_backend}
+        if self.config.transfer_backend == "zmq":
+            deliver["endpoint"] = self.endpoint
         body = {
             "req_id": req.req_id, "modality": part.modality,
             "mm_items": [req.wire[part.modality][i] for i in part.item_indices],
@@ -481,6 +497,8 @@ class EncoderClient:
         """Hand each message to its part at once, so the socket never backs up."""
         async for header, tensor in pull:
             self._counts["messages_received"] += 1
+            if self.faults is not None and not await self._demux_fault():
+                continue
             state = self._parts.get((header.req_id, header.part_idx))
             if state is None or state.message is not None:
                 self._counts["messages_dropped"] += 1
@@ -492,6 +510,17 @@ class EncoderClient:
                 state.answered = True  # the encoder is done with it
                 self._requests[header.req_id].fail(zmq_error(header, state.encoder_url))
             state.arrived.set()
+
+    async def _demux_fault(self) -> bool:
+        """The "demux" point: a delay holds the socket; an error loses the message
+        (as a network would); the demultiplexer itself never dies of it."""
+        assert self.faults is not None
+        try:
+            await self.faults.inject("demux")
+        except EPDError:
+            self._counts["messages_dropped"] += 1
+            return False
+        return True
 
     # ---- discovery ------------------------------------------------------------------
     async def _refresh_loop(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
