@@ -7,6 +7,7 @@ never a traceback, never HTML) and one Hypercorn configuration.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 from typing import Any
@@ -18,9 +19,30 @@ from werkzeug.exceptions import HTTPException
 
 from epd_trio.errors import EPDError, PayloadTooLargeError, UnauthorizedError, error_body, http_status
 
-__all__ = ["hypercorn_config", "install_error_handlers", "json_error", "json_response"]
+__all__ = ["BearerAuth", "hypercorn_config", "install_error_handlers", "json_error", "json_response"]
 
 log = logging.getLogger(__name__)
+
+
+class BearerAuth:
+    """``Authorization: Bearer <token>`` checked in constant time; no token → open.
+
+    The token is never logged, echoed or put in an error message.
+    """
+
+    def __init__(self, token: str | None) -> None:
+        self._expected = f"Bearer {token}".encode() if token else None
+
+    @property
+    def enabled(self) -> bool:
+        return self._expected is not None
+
+    def check(self, header: str | None, what: str) -> None:
+        if self._expected is None:
+            return
+        given = (header or "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(given, self._expected):
+            raise UnauthorizedError(f"{what} needs 'Authorization: Bearer <token>'")
 
 
 def json_response(body: Any, status: int = 200) -> Response:
@@ -59,8 +81,10 @@ def install_error_handlers(app: QuartTrio, what: str) -> None:
         return json_error(exc)
 
 
-def hypercorn_config(host: str, port: int, graceful_timeout: float) -> hypercorn.config.Config:
+def hypercorn_config(host: str, port: int, graceful_timeout: float,
+                     max_header_bytes: int = 16 * 1024) -> hypercorn.config.Config:
     hc = hypercorn.config.Config()
+    hc.h11_max_incomplete_size = max_header_bytes  # a longer head is refused before parsing
     hc.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     hc.graceful_timeout = graceful_timeout
     hc.accesslog = None

@@ -45,8 +45,11 @@ class EngineConfig:
     model_path: str | None = _opt(
         None, "local Hugging Face checkpoint directory of the full multimodal model "
         "(default: the embedded tiny random-weight qwen2_5_vl, generated on first use)")
-    device: str = _opt("cpu", "torch device for the encoder (cpu, cuda, cuda:1)")
+    device: str = _opt("cpu", "torch device for the encoder (cpu, cuda, cuda:1); a comma-separated "
+                       "list (cuda:0,cuda:1) runs one worker per device behind one queue (data parallel)")
     dtype: str = _opt("auto", "auto (the checkpoint's), float32, bfloat16 or float16")
+    compile: bool = _opt(False, "torch.compile the encoder's forward (dynamic shapes; the first "
+                         "batches of each new size are slow while it compiles)")
     max_batch_size: int = _opt(8, "most requests in one forward")
     max_batch_tokens: int = _opt(65536, "most output tokens in one forward (the oldest request always runs)")
     coalesce_delay: float = _opt(0.0, "seconds a non-full batch waits for company (0 = never)")
@@ -56,6 +59,11 @@ class EngineConfig:
     max_image_pixels: int = _opt(40_000_000, "largest image (width × height) accepted, checked before decoding")
     max_item_bytes: int = _opt(64 * 1024 * 1024, "largest encoded media item in bytes (data URI, URL, file)")
     fetch_timeout: float = _opt(10.0, "seconds allowed to fetch one http(s) item")
+    max_request_pixels: int = _opt(160_000_000, "most pixels of all images of one request together, "
+                                   "checked on their headers before any is decoded")
+    fetch_allow_hosts: tuple[str, ...] = _opt((), "hosts http(s) items may be fetched from "
+                                              "(example.com also allows its subdomains); empty: any")
+    max_redirects: int = _opt(3, "redirects followed when fetching an item (each to an allowed host)")
     video_fps: float = _opt(2.0, "frames per second sampled from a video file (by the model's own "
                             "sampling rule); a list of frames counts as sampled at this rate")
     video_min_frames: int = _opt(4, "fewest frames sampled from a video file")
@@ -70,6 +78,9 @@ class EngineConfig:
                                     "the model's own window is a second bound)")
     cache_dir: str | None = _opt(None, "where the embedded tiny model is generated "
                                  "(default: $XDG_CACHE_HOME/epd_trio or ~/.cache/epd_trio)")
+    cache_mb: int = _opt(0, "host memory for the embedding cache in MiB: items seen before (by "
+                         "their hashes entry, else their content) skip preprocessing and the "
+                         "forward; LRU by bytes; 0 = off")
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_batch_tokens", "max_pending", "preprocess_workers",
@@ -77,6 +88,10 @@ class EngineConfig:
                      "max_video_pixels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.cache_mb < 0:
+            raise ValueError(f"cache_mb must be >= 0, got {self.cache_mb}")
+        if any(not d.strip() for d in self.device.split(",")):
+            raise ValueError(f"device must be one device or a comma-separated list, got {self.device!r}")
         if self.coalesce_delay < 0 or self.fetch_timeout <= 0:
             raise ValueError("coalesce_delay must be >= 0 and fetch_timeout > 0")
         for name in ("video_fps", "max_video_seconds", "max_audio_seconds"):
@@ -85,6 +100,11 @@ class EngineConfig:
         if self.video_max_frames < self.video_min_frames:
             raise ValueError(f"video_max_frames ({self.video_max_frames}) must be at least "
                              f"video_min_frames ({self.video_min_frames})")
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """One entry per worker: ``"cuda:0,cuda:1"`` → ``("cuda:0", "cuda:1")``."""
+        return tuple(d.strip() for d in self.device.split(","))
 
     def resolved_cache_dir(self) -> Path:
         if self.cache_dir:
@@ -124,6 +144,14 @@ class EncoderConfig:
     registry_auth_token: str | None = _opt(None, "bearer token for the registries' register and "
                                            "unregister calls (prefer the variable: flags show in ps)",
                                            secret=True)
+    auth_token: str | None = _opt(None, "bearer token the admin endpoints (/abort, profiling) need; "
+                                  "prefer the variable: flags show in ps", secret=True)
+    require_auth_for_encode: bool = _opt(False, "also require the auth token on /encode and /send")
+    max_header_bytes: int = _opt(16 * 1024, "largest HTTP request head (request line + headers) "
+                                 "accepted")
+    profile_dir: str | None = _opt(None, "directory POST /start_profile writes Chrome traces under "
+                                   "(a request's output_dir must lie inside it; default: a new "
+                                   "temporary directory)")
     log_level: str = _opt("INFO", "logging level")
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig, metadata={"nested": True})
 
@@ -140,6 +168,11 @@ class EncoderConfig:
         if self.heartbeat_interval <= 0:
             raise ValueError(f"heartbeat_interval must be > 0, got {self.heartbeat_interval}")
         _check_token("registry_auth_token", self.registry_auth_token)
+        _check_token("auth_token", self.auth_token)
+        if self.require_auth_for_encode and not self.auth_token:
+            raise ValueError("require_auth_for_encode needs an auth_token")
+        if self.max_header_bytes < 1024:
+            raise ValueError("max_header_bytes must be at least 1024")
         if isinstance(self.register_url, str):
             raise ValueError("register_url must be a sequence of URLs, not one string")
         object.__setattr__(self, "register_url",

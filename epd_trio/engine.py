@@ -1,10 +1,18 @@
 """The in-process encoder engine: media → preprocessing → batched forward.
 
 ``open_engine`` loads the encoder (in a thread), owns the HTTP client that
-fetches media URLs and runs the scheduler loop in its nursery; leaving the
-block stops the loop and fails whatever still waits (nothing hangs).
-``encode`` is a batch of one: concurrent callers are batched by the scheduler,
-and there is no second code path for single requests.
+fetches media URLs and runs one scheduler loop per device in its nursery;
+leaving the block stops the loops and fails whatever still waits (nothing
+hangs). ``encode`` is a batch of one: concurrent callers are batched by the
+scheduler, and there is no second code path for single requests.
+
+Data parallel: ``device="cuda:0,cuda:1"`` (or ``"cpu,cpu"``) loads the encoder
+once per device; all devices share one admission bound, and each preprocessed
+request goes to the live device with the fewest pending requests
+(``scheduling.dispatch``). With ``cache_mb`` an ``EmbeddingCache`` answers
+items it has seen (``epd_trio.cache``): a request's cached items skip
+preprocessing and the forward, the others are encoded, and the answer is put
+back together in item order.
 """
 
 from __future__ import annotations
@@ -20,15 +28,17 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import trio
 
+from epd_trio.cache import CacheEntry, CacheStatistics, EmbeddingCache, content_digest, item_key
 from epd_trio.config import EngineConfig
 from epd_trio.errors import RequestError
 from epd_trio.model.adapters import PreprocessResult
-from epd_trio.model.loader import LoadedEncoder, load_encoder
+from epd_trio.model.loader import LoadedEncoder, load_encoder, replicate_encoder
 from epd_trio.model.media import MediaLimits, MediaLoader
 from epd_trio.model.preprocess import EncoderPreprocessor
 from epd_trio.model.tiny import ensure_default_model
+from epd_trio.scheduling.dispatch import Admission, Dispatcher, WorkerState
 from epd_trio.scheduling.policy import BatchPolicy
-from epd_trio.scheduling.scheduler import RunSync, Scheduler
+from epd_trio.scheduling.scheduler import Observer, RunSync, Scheduler
 from epd_trio.scheduling.worker import EncoderWorker
 
 if TYPE_CHECKING:
@@ -39,6 +49,9 @@ __all__ = ["EncodeOutput", "Engine", "EngineStatistics", "ModelInfo", "open_engi
 log = logging.getLogger(__name__)
 
 MODALITIES = ("image", "video", "audio")
+
+# Hashing a request's items for the cache (~1 GB/s) moves to a thread above this many bytes.
+_HASH_IN_THREAD_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -86,6 +99,11 @@ class EngineStatistics:
     requests_dropped: int
     batches_run: int
     batches_retried: int
+    # Summed over the devices; ``workers_alive < workers`` once a device has failed.
+    requests_redispatched: int = 0
+    workers: int = 1
+    workers_alive: int = 1
+    cache: CacheStatistics | None = None  # None without ``cache_mb``
 
 
 def normalize_modality(modality: str) -> str:
@@ -94,22 +112,40 @@ def normalize_modality(modality: str) -> str:
     return modality.lower()
 
 
-class Engine:
-    """Encodes media; build it with ``open_engine``."""
+def _output(pre: PreprocessResult, embedding: Any) -> EncodeOutput:
+    return EncodeOutput(pre.modality, embedding, list(pre.token_counts), list(pre.grid_thw),
+                        {key: list(values) for key, values in pre.extras.items()})
 
-    def __init__(self, config: EngineConfig, encoder: LoadedEncoder, media: MediaLoader) -> None:
+
+class Engine:
+    """Encodes media; build it with ``open_engine``.
+
+    ``workers`` and ``schedulers`` hold one per device (``worker`` and
+    ``scheduler`` are the first device's); ``admission`` is their shared bound.
+    """
+
+    def __init__(self, config: EngineConfig, encoder: LoadedEncoder, media: MediaLoader,
+                 replicas: Sequence[LoadedEncoder] = ()) -> None:
         self.config = config
         self.encoder = encoder
         self.media = media
-        self.worker = EncoderWorker(encoder)
         self.preprocessor = EncoderPreprocessor(
             encoder.adapter, encoder.processors, media.limits, video_fps=config.video_fps,
             video_min_frames=config.video_min_frames, video_max_frames=config.video_max_frames)
-        self.scheduler = Scheduler(
-            self.worker.forward,
-            BatchPolicy(config.max_batch_size, config.max_batch_tokens, config.coalesce_delay),
-            max_pending=config.max_pending,
-        )
+        policy = BatchPolicy(config.max_batch_size, config.max_batch_tokens, config.coalesce_delay)
+        self.admission = Admission(config.max_pending)
+        # Told of stages and batches (metrics, profiler); shared with every scheduler.
+        self.observers: list[Observer] = []
+        self.workers = tuple(EncoderWorker(e, compile=config.compile) for e in (encoder, *replicas))
+        self.schedulers = tuple(
+            Scheduler(w.forward, policy, max_pending=config.max_pending, admission=self.admission,
+                      index=i, observers=self.observers)
+            for i, w in enumerate(self.workers))
+        self.dispatcher = Dispatcher(self.workers, self.schedulers)
+        self.cache = EmbeddingCache(config.cache_mb << 20) if config.cache_mb else None
+        self._fingerprint = "|".join(map(str, (
+            encoder.family, encoder.model_dir.resolve(), encoder.dtype, config.video_fps,
+            config.video_min_frames, config.video_max_frames)))
         self._preprocess_limiter = trio.CapacityLimiter(config.preprocess_workers)
         self._preprocessing = 0
         self.faults: FaultPlan | None = None  # epd_trio.testing installs one; never the network
@@ -118,65 +154,227 @@ class Engine:
         self.run_sync: RunSync = trio.to_thread.run_sync
 
     @property
+    def worker(self) -> EncoderWorker:
+        """The first device's worker."""
+        return self.workers[0]
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The first device's scheduler (its ``admit`` is the shared admission bound)."""
+        return self.schedulers[0]
+
+    @property
     def model_info(self) -> ModelInfo:
         adapter = self.encoder.adapter
         return ModelInfo(
             model_type=adapter.family, modalities=tuple(sorted(adapter.modalities)),
             dim=adapter.embedding_dim, dtype=str(self.encoder.dtype).removeprefix("torch."),
-            device=self.encoder.device, max_batch_size=self.config.max_batch_size,
+            device=self.config.device, max_batch_size=self.config.max_batch_size,
             random_weights=self.encoder.random_weights,
             embedding_layout=tuple(adapter.embedding_layout),
             embedding_description=adapter.embedding_description,
         )
 
     async def encode(self, items: Sequence[Any], modality: str = "image", *,
-                     bypass_admission: bool = False,
+                     hashes: Sequence[str] | None = None, bypass_admission: bool = False,
+                     use_cache: bool = True,
                      on_preprocessed: Callable[[PreprocessResult], None] | None = None) -> EncodeOutput:
         """Encode one request's items (all of one modality), batched with others.
 
-        ``on_preprocessed`` is called once the output's size is known, before
-        the forward (Mooncake receivers reserve memory that early).
+        ``hashes`` (one per item) name the items for the cache; without them
+        (or an item's ``content_hash``) the cache key is a digest of the
+        item's bytes. ``use_cache=False`` (health probes) neither reads nor
+        fills the cache. ``on_preprocessed`` is called once the output's size
+        is known, before the forward (Mooncake receivers reserve memory that
+        early); its ``inputs`` are only the items that need a forward.
         """
         if self.faults is not None:
             await self.faults.inject("admission")
-        with self.scheduler.admit(bypass=bypass_admission):
+        with self.admission.admit(bypass=bypass_admission):
+            started = trio.current_time()
+            if self.cache is not None and use_cache:
+                return await self._encode_cached(self.cache, items, modality, hashes,
+                                                 on_preprocessed, started)
             pre = await self.preprocess(items, modality)
+            self._observe_stage("preprocess", trio.current_time() - started)
             if on_preprocessed is not None:
                 on_preprocessed(pre)
-            embedding = await self.scheduler.submit(pre)
-        return EncodeOutput(pre.modality, embedding, list(pre.token_counts), list(pre.grid_thw),
-                            {key: list(values) for key, values in pre.extras.items()})
+            embedding = await self.dispatcher.submit(pre)
+        return _output(pre, embedding)
 
     async def preprocess(self, items: Sequence[Any], modality: str) -> PreprocessResult:
-        """Fetch and preprocess; callers hold an admission slot (``scheduler.admit``)."""
+        """Fetch and preprocess; callers hold an admission slot (``admission.admit``)."""
+        modality = self._check_modality(modality)
+        return await self._process(await self._load(items), modality)
+
+    def _check_modality(self, modality: str) -> str:
         modality = normalize_modality(modality)
         self.encoder.adapter.check_modality(modality)
+        return modality
+
+    async def _load(self, items: Sequence[Any]) -> list[Any]:
         self._preprocessing += 1
         try:
             if self.faults is not None:
                 await self.faults.inject("media_load")
-            loaded = await self.media.load(items)
-            if self.faults is not None:
-                await self.faults.inject("preprocess")
-            return await self.run_sync(
-                self.preprocessor.preprocess, loaded, modality, limiter=self._preprocess_limiter
-            )
+            return await self.media.load(items)
         finally:
             self._preprocessing -= 1
 
+    async def _process(self, loaded: Sequence[Any], modality: str,
+                       indices: Sequence[int] | None = None) -> PreprocessResult:
+        self._preprocessing += 1
+        try:
+            if self.faults is not None:
+                await self.faults.inject("preprocess")
+            return await self.run_sync(self.preprocessor.preprocess, loaded, modality, indices,
+                                       limiter=self._preprocess_limiter)
+        finally:
+            self._preprocessing -= 1
+
+    # ---- the embedding cache ----------------------------------------------
+    async def _encode_cached(self, cache: EmbeddingCache, items: Sequence[Any], modality: str,
+                             hashes: Sequence[str] | None,
+                             on_preprocessed: Callable[[PreprocessResult], None] | None,
+                             started: float) -> EncodeOutput:
+        """Look every item up; encode only the misses; answer in item order."""
+        modality = self._check_modality(modality)
+        given = _given_hashes(items, hashes)
+        loaded: list[Any] | None = None
+        if any(g is None for g in given):  # content keys need the bytes
+            loaded = await self._load(items)
+            digests = await self._digests(loaded, given)
+        else:  # every item is named: a full hit never loads anything
+            digests = [None] * len(items)
+        keys = [item_key(self._fingerprint, modality, given=g) if g is not None
+                else item_key(self._fingerprint, modality, digest=d) for g, d in zip(given, digests)]
+        entries: list[CacheEntry | None] = [cache.get(key) for key in keys]
+        misses = [i for i, entry in enumerate(entries) if entry is None]
+        pre = None
+        if misses:
+            if loaded is None:
+                loaded = await self._load(items)
+            pre = await self._process([loaded[i] for i in misses], modality, misses)
+            self._observe_stage("preprocess", trio.current_time() - started)
+        if on_preprocessed is not None:
+            on_preprocessed(_describe(modality, entries, pre))
+        if pre is None:
+            return _assemble(modality, entries, None, None)
+        embedding = await self.dispatcher.submit(pre)
+        _fill(cache, keys, misses, pre, embedding)
+        return _assemble(modality, entries, pre, embedding)
+
+    async def _digests(self, loaded: Sequence[Any], given: Sequence[str | None]) -> list[bytes | None]:
+        def digests() -> list[bytes | None]:
+            return [content_digest(item) if g is None else None for item, g in zip(loaded, given)]
+
+        size = sum(len(item) for item in loaded if isinstance(item, bytes))
+        if size < _HASH_IN_THREAD_BYTES and all(isinstance(item, bytes) for item in loaded):
+            return digests()
+        return await self.run_sync(digests, limiter=self._preprocess_limiter)
+
+    # ---- observability ------------------------------------------------------
+    def _observe_stage(self, name: str, seconds: float) -> None:
+        for observer in self.observers:
+            try:
+                observer.stage(name, seconds)
+            except Exception:  # an observer's bug must not fail a request
+                log.exception("observer %r failed", observer)
+
+    def worker_states(self) -> list[WorkerState]:
+        """Each device's worker: alive or dead (and why), its load and its work done."""
+        return self.dispatcher.states()
+
     def statistics(self) -> EngineStatistics:
-        s = self.scheduler.statistics()
+        stats = [s.statistics() for s in self.schedulers]
         return EngineStatistics(
-            admitted=s.admitted, preprocessing=self._preprocessing, queued=s.queued,
-            running=s.running, requests_done=s.requests_done, requests_failed=s.requests_failed,
-            requests_dropped=s.requests_dropped, batches_run=s.batches_run,
-            batches_retried=s.batches_retried,
+            admitted=self.admission.admitted, preprocessing=self._preprocessing,
+            queued=sum(s.queued for s in stats), running=sum(s.running for s in stats),
+            requests_done=sum(s.requests_done for s in stats),
+            requests_failed=sum(s.requests_failed for s in stats),
+            requests_dropped=sum(s.requests_dropped for s in stats),
+            batches_run=sum(s.batches_run for s in stats),
+            batches_retried=sum(s.batches_retried for s in stats),
+            requests_redispatched=sum(s.redispatched for s in stats),
+            workers=len(stats), workers_alive=sum(not s.dead for s in stats),
+            cache=self.cache.statistics() if self.cache is not None else None,
         )
 
     def __repr__(self) -> str:
         s = self.statistics()
-        return (f"<Engine {self.encoder.family} on {self.encoder.device}: {s.admitted} admitted, "
-                f"{s.queued} queued, {s.requests_done} done, {s.batches_run} batches>")
+        return (f"<Engine {self.encoder.family} on {self.config.device}: {s.admitted} admitted, "
+                f"{s.queued} queued, {s.requests_done} done, {s.batches_run} batches, "
+                f"{s.workers_alive}/{s.workers} workers alive>")
+
+
+def _given_hashes(items: Sequence[Any], hashes: Sequence[str] | None) -> list[str | None]:
+    """Each item's client-given name: its ``hashes`` entry, else its ``content_hash``, else None."""
+    if hashes is not None and len(hashes) != len(items):
+        raise RequestError(f"'hashes' must have one entry per item ({len(items)}), got {len(hashes)}")
+    out: list[str | None] = []
+    for i, item in enumerate(items):
+        name = hashes[i] if hashes is not None else None
+        if name is None and isinstance(item, dict) and isinstance(item.get("content_hash"), str):
+            name = item["content_hash"] or None
+        out.append(name)
+    return out
+
+
+def _item_parts(modality: str, entries: Sequence[CacheEntry | None], pre: PreprocessResult | None
+                ) -> list[tuple[int, tuple[int, int, int] | None, dict[str, Any]]]:
+    """(token count, grid, extras) of every item in order, from the cache or the misses' result."""
+    parts, j = [], 0
+    for entry in entries:
+        if entry is not None:
+            parts.append((entry.token_count, entry.grid_thw, dict(entry.extras)))
+            continue
+        assert pre is not None
+        grid = tuple(pre.grid_thw[j]) if pre.grid_thw else None
+        parts.append((pre.token_counts[j], grid, {k: v[j] for k, v in pre.extras.items()}))
+        j += 1
+    return parts  # type: ignore[return-value]
+
+
+def _describe(modality: str, entries: Sequence[CacheEntry | None],
+              pre: PreprocessResult | None) -> PreprocessResult:
+    """The whole request's sizes (for ``on_preprocessed``), cached items included."""
+    parts = _item_parts(modality, entries, pre)
+    return PreprocessResult(
+        modality, dict(pre.inputs) if pre is not None else {},
+        tuple(g for _, g, _ in parts if g is not None), tuple(c for c, _, _ in parts),
+        _join_extras([x for _, _, x in parts]))
+
+
+def _join_extras(extras: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
+    keys = list(dict.fromkeys(k for x in extras for k in x))
+    return {k: [x.get(k) for x in extras] for k in keys}
+
+
+def _fill(cache: EmbeddingCache, keys: Sequence[bytes], misses: Sequence[int],
+          pre: PreprocessResult, embedding: Any) -> None:
+    import torch
+
+    rows = torch.split(embedding, list(pre.token_counts))
+    for j, i in enumerate(misses):
+        grid = pre.grid_thw[j] if pre.grid_thw else None
+        cache.put(keys[i], rows[j], pre.token_counts[j], grid,
+                  {k: v[j] for k, v in pre.extras.items()})
+
+
+def _assemble(modality: str, entries: Sequence[CacheEntry | None], pre: PreprocessResult | None,
+              embedding: Any) -> EncodeOutput:
+    """The answer in item order. Cached rows are always copied out (``torch.cat``
+    allocates), so the caller owns its tensor and the cache stays untouched."""
+    import torch
+
+    parts = _item_parts(modality, entries, pre)
+    if all(entry is None for entry in entries):
+        joined = embedding  # nothing cached: the forward's own output, no copy
+    else:
+        rows = iter(torch.split(embedding, list(pre.token_counts)) if pre is not None else ())
+        joined = torch.cat([entry.embedding if entry is not None else next(rows) for entry in entries])
+    return EncodeOutput(modality, joined, [c for c, _, _ in parts],
+                        [g for _, g, _ in parts if g is not None], _join_extras([x for _, _, x in parts]))
 
 
 async def resolve_model_path(config: EngineConfig) -> Path:
@@ -187,27 +385,33 @@ async def resolve_model_path(config: EngineConfig) -> Path:
 
 @asynccontextmanager
 async def open_engine(config: EngineConfig | None = None, **overrides: Any) -> AsyncIterator[Engine]:
-    """Load the encoder and run its scheduler for the duration of the block.
+    """Load the encoder (once per device) and run its schedulers for the duration of the block.
 
     ``open_engine(model_path=..., device="cpu", max_batch_size=8)`` is the same
     as passing ``EngineConfig(...)``; keyword overrides win over ``config``.
     """
     config = dataclasses.replace(config or EngineConfig(), **overrides)
     model_dir = await resolve_model_path(config)
+    first, *others = config.devices
     encoder = await trio.to_thread.run_sync(
-        lambda: load_encoder(model_dir, device=config.device, dtype=config.dtype)
+        lambda: load_encoder(model_dir, device=first, dtype=config.dtype)
     )
+    # Each further device gets its own copy of the module (and so its own compile cache).
+    replicas = [await trio.to_thread.run_sync(replicate_encoder, encoder, device) for device in others]
     limits = MediaLimits(
         max_item_bytes=config.max_item_bytes, max_image_pixels=config.max_image_pixels,
-        fetch_timeout=config.fetch_timeout,
+        fetch_timeout=config.fetch_timeout, max_request_pixels=config.max_request_pixels,
+        fetch_allow_hosts=tuple(h.lower().rstrip(".") for h in config.fetch_allow_hosts),
+        max_redirects=config.max_redirects,
         media_root=Path(config.media_root) if config.media_root else None,
         max_video_seconds=config.max_video_seconds, max_video_frames=config.max_video_frames,
         max_video_pixels=config.max_video_pixels, max_audio_seconds=config.max_audio_seconds,
     )
     # Redirects are not followed: a URL is fetched from where it says.
     async with httpx.AsyncClient(follow_redirects=False) as http, trio.open_nursery() as nursery:
-        engine = Engine(config, encoder, MediaLoader(limits, http))
-        await nursery.start(engine.scheduler.run)
+        engine = Engine(config, encoder, MediaLoader(limits, http), replicas)
+        for scheduler in engine.schedulers:
+            await nursery.start(scheduler.run)
         try:
             yield engine
         finally:

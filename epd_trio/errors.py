@@ -6,8 +6,10 @@
     ├── RequestError (400)             the caller sent something we cannot encode
     │   ├── UnauthorizedError (401)
     │   ├── UnknownRequestError (404)
-    │   ├── DuplicateRequestError (409)
-    │   └── PayloadTooLargeError (413)
+    │   ├── ConflictError (409)        the server is in the wrong state for it
+    │   │   └── DuplicateRequestError (409)
+    │   ├── PayloadTooLargeError (413)
+    │   └── HeadersTooLargeError (431)
     ├── OverloadedError (503)          admission refused: queue full
     │   └── NotReadyError (503)        starting, draining, or the worker is gone
     ├── DeadlineExceeded (504)         a request's own deadline passed
@@ -29,11 +31,13 @@ from __future__ import annotations
 
 __all__ = [
     "AbortedError",
+    "ConflictError",
     "DeadlineExceeded",
     "DuplicateRequestError",
     "EPDError",
     "EncodeError",
     "EncodeTimeout",
+    "HeadersTooLargeError",
     "ModelLoadError",
     "NotReadyError",
     "OverloadedError",
@@ -80,12 +84,22 @@ class UnknownRequestError(RequestError):
     status_code = 404
 
 
-class DuplicateRequestError(RequestError):
+class ConflictError(RequestError):
+    """The request conflicts with the server's state (a profile already running, say)."""
+
+    status_code = 409
+
+
+class DuplicateRequestError(ConflictError):
     status_code = 409
 
 
 class PayloadTooLargeError(RequestError):
     status_code = 413
+
+
+class HeadersTooLargeError(RequestError):
+    status_code = 431
 
 
 class OverloadedError(EPDError):

@@ -28,3 +28,4 @@ export PATH="$VENV/bin:$PATH"
 # Nothing is ever downloaded from a model hub: models are local checkpoints
 # or the generated tiny one.
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"  # idle OpenMP threads must not spin against the trio thread

@@ -10,7 +10,6 @@ constant time; the token is never logged or echoed.
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import logging
 import time
 from typing import Any
@@ -19,11 +18,11 @@ import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 
-from epd_trio._http import install_error_handlers, json_response
+from epd_trio._http import BearerAuth, install_error_handlers, json_response
 from epd_trio._version import __version__
 from epd_trio.bootstrap.health import HealthLoop
 from epd_trio.bootstrap.registry import EncoderEntry, Registry, normalize_url
-from epd_trio.errors import RequestError, UnauthorizedError
+from epd_trio.errors import RequestError
 from epd_trio.protocol.requests import parse_json_body
 
 __all__ = ["create_app"]
@@ -33,26 +32,12 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 16 * 1024  # a body is one URL: anything bigger is not a registration
 
 
-class _Auth:
-    """Bearer-token check for the mutating endpoints; no token configured → open."""
-
-    def __init__(self, token: str | None) -> None:
-        self._expected = f"Bearer {token}".encode() if token else None
-
-    def check(self, header: str | None) -> None:
-        if self._expected is None:
-            return
-        given = (header or "").encode("utf-8", "surrogateescape")
-        if not hmac.compare_digest(given, self._expected):
-            raise UnauthorizedError("register and unregister need 'Authorization: Bearer <token>'")
-
-
 def create_app(registry: Registry, health: HealthLoop, *, auth_token: str | None = None) -> QuartTrio:
     """One app per registry: no module-level state."""
     app = QuartTrio(__name__)
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     app.config["BODY_TIMEOUT"] = 10
-    _routes(app, registry, health, _Auth(auth_token))
+    _routes(app, registry, health, BearerAuth(auth_token))
     install_error_handlers(app, "registry")
     return app
 
@@ -74,10 +59,10 @@ def _entry_view(entry: EncoderEntry, now: float, wall: float) -> dict[str, Any]:
             "registered_at": unix(entry.registered_at)}
 
 
-def _routes(app: QuartTrio, registry: Registry, health: HealthLoop, auth: _Auth) -> None:
+def _routes(app: QuartTrio, registry: Registry, health: HealthLoop, auth: BearerAuth) -> None:
     @app.post("/register_encoder_url")
     async def register() -> Response:
-        auth.check(request.headers.get("Authorization"))
+        auth.check(request.headers.get("Authorization"), "register and unregister")
         url = await _url_from_body()
         added = registry.register(url, trio.current_time())
         if added:
@@ -86,7 +71,7 @@ def _routes(app: QuartTrio, registry: Registry, health: HealthLoop, auth: _Auth)
 
     @app.route("/unregister_encoder_url", methods=["DELETE", "POST"])
     async def unregister() -> Response:
-        auth.check(request.headers.get("Authorization"))
+        auth.check(request.headers.get("Authorization"), "register and unregister")
         url = await _url_from_body()
         removed = registry.unregister(url)
         if removed:

@@ -15,11 +15,11 @@ from typing import Any
 from quart import Response, request
 from quart_trio import QuartTrio
 
-from epd_trio._http import install_error_handlers, json_error, json_response
+from epd_trio._http import BearerAuth, install_error_handlers, json_error, json_response
 from epd_trio._version import __version__
 from epd_trio.encoder.service import EncoderService
 from epd_trio.encoder.staging import SendOrder
-from epd_trio.errors import EPDError
+from epd_trio.errors import EPDError, HeadersTooLargeError
 from epd_trio.protocol.codec import encode_safetensors
 from epd_trio.protocol.requests import (
     parse_abort_request,
@@ -49,9 +49,31 @@ def create_app(service: EncoderService) -> QuartTrio:
     app = QuartTrio(__name__)
     app.config["MAX_CONTENT_LENGTH"] = service.config.max_body_bytes
     app.config["BODY_TIMEOUT"] = service.config.request_timeout
+    _access_control(app, service.config)
     _routes(app, service)
     install_error_handlers(app, "encoder")
     return app
+
+
+# Admin endpoints need the auth token whenever one is configured; the data
+# path (/encode, /send) only with --require-auth-for-encode.
+ADMIN_PATHS = frozenset({"/abort", "/start_profile", "/stop_profile"})
+DATA_PATHS = frozenset({"/encode", "/send"})
+
+
+def _access_control(app: QuartTrio, config: Any) -> None:
+    auth = BearerAuth(config.auth_token)
+    guarded = ADMIN_PATHS | (DATA_PATHS if config.require_auth_for_encode else frozenset())
+
+    @app.before_request
+    async def check_head_and_token() -> None:
+        # Before the handler, so an oversized or unauthenticated request's body
+        # is never read or parsed.
+        head = sum(len(k) + len(v) + 4 for k, v in request.headers.items()) + len(request.full_path)
+        if head > config.max_header_bytes:
+            raise HeadersTooLargeError(f"request head is over {config.max_header_bytes} bytes")
+        if request.path in guarded:
+            auth.check(request.headers.get("Authorization"), request.path)
 
 
 def _routes(app: QuartTrio, service: EncoderService) -> None:

@@ -63,7 +63,7 @@ async def serve_encoder(config: EncoderConfig) -> AsyncIterator[EncoderServer]:
             trio.open_nursery() as nursery:
         stop = trio.Event()
         serve = functools.partial(hypercorn.trio.serve, create_app(service),
-                                  hypercorn_config(config.host, config.port, _HTTP_GRACE), shutdown_trigger=stop.wait)
+                                  hypercorn_config(config.host, config.port, _HTTP_GRACE, config.max_header_bytes), shutdown_trigger=stop.wait)
         urls = await nursery.start(serve)
         advertise = advertised_url(config, urls[0])
         log.info("encoder %s serving on %s", engine.model_info.model_type, urls[0])

@@ -124,7 +124,15 @@ class EncoderService:
         if request.deliver.backend == "mooncake" and self.mooncake is None:
             raise RequestError("this encoder does not serve Mooncake delivery "
                                "(start it with --transfer-backend mooncake)", req_id=request.req_id)
-        scope: RequestScope = await self._nursery.start(self._run_scope, request)
+        # The hand-off is shielded. Were this caller cancelled (its client gone)
+        # before the scope's first step, trio would leave the scope in the
+        # caller's cancelled context instead of moving it to the request
+        # nursery: it would die of the caller's Cancelled, counted as failed,
+        # its receivers never told. ``_run_scope`` calls ``started`` before its
+        # first checkpoint, so the shield lasts one scheduling pass; a
+        # cancellation meanwhile lands at ``ready.wait()`` and aborts the scope.
+        with trio.CancelScope(shield=True):
+            scope: RequestScope = await self._nursery.start(self._run_scope, request)
         try:
             await scope.ready.wait()  # bounded: the scope has the request deadline
         finally:

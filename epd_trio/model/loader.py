@@ -23,7 +23,8 @@ from epd_trio.model.adapters import ModelAdapter, adapter_for
 from epd_trio.model.tiny import is_tiny_model
 
 __all__ = [
-    "DTYPES", "LoadedEncoder", "encoder_weight_names", "load_encoder", "load_processors", "resolve_dtype",
+    "DTYPES", "LoadedEncoder", "encoder_weight_names", "load_encoder", "load_processors",
+    "replicate_encoder", "resolve_dtype",
 ]
 
 log = logging.getLogger(__name__)
@@ -170,3 +171,16 @@ def load_encoder(model_dir: str | Path, *, device: str = "cpu", dtype: str = "au
         adapter=adapter, module=module, processors=load_processors(adapter, model_dir),
         model_dir=model_dir, device=device, dtype=torch_dtype, random_weights=random,
     )
+
+
+def replicate_encoder(encoder: LoadedEncoder, device: str) -> LoadedEncoder:
+    """The same encoder with its own copy of the module on ``device`` (data parallel).
+
+    The adapter and the processors are shared: neither holds per-forward state.
+    Blocking (run it in a thread).
+    """
+    import copy
+    import dataclasses
+
+    module = copy.deepcopy(encoder.module).to(device).eval().requires_grad_(False)
+    return dataclasses.replace(encoder, module=module, device=device)

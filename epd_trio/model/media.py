@@ -39,7 +39,12 @@ class MediaLimits:
 
     max_item_bytes: int = 64 * 1024 * 1024
     max_image_pixels: int = 40_000_000  # under PIL's own bomb warning (89 M); also per video frame
+    max_request_pixels: int = 160_000_000  # all images of one request together
     fetch_timeout: float = 10.0
+    # Hosts http(s) items may come from ("example.com" also allows its
+    # subdomains); empty: any. Redirects are followed only to allowed hosts.
+    fetch_allow_hosts: tuple[str, ...] = ()
+    max_redirects: int = 3
     media_root: Path | None = None
     # Video: the source's length (checked on the container before decoding)
     # and the pixels of all frames kept for the model (what preprocessing holds).
@@ -117,25 +122,49 @@ class MediaLoader:
             raise item_error(index, f"URL scheme {scheme!r} is not allowed (use data:, http, https)")
         return await self._read_local(index, item)
 
+    def _check_url(self, index: int, url: httpx.URL) -> None:
+        if url.scheme not in ("http", "https"):
+            raise item_error(index, f"URL scheme {url.scheme!r} is not allowed (use data:, http, https)")
+        allowed = self.limits.fetch_allow_hosts
+        host = (url.host or "").lower().rstrip(".")
+        if allowed and not any(host == a or host.endswith("." + a) for a in allowed):
+            raise item_error(index, f"host {host!r} is not in the encoder's fetch allow-list")
+
     async def _fetch(self, index: int, url: str) -> bytes:
-        limit = self.limits.max_item_bytes
+        """GET with a time and size bound; redirects followed by hand, each hop checked."""
         try:
             with trio.fail_after(self.limits.fetch_timeout):
-                async with self._http.stream("GET", url) as response:
-                    if response.status_code != 200:
-                        raise item_error(index, f"fetching {url} gave HTTP {response.status_code}")
-                    chunks, size = [], 0
-                    async with aclosing(response.aiter_bytes()) as body:
-                        async for chunk in body:
-                            size += len(chunk)
-                            if size > limit:
-                                raise PayloadTooLargeError(f"item {index}: {url} is over {limit} bytes")
-                            chunks.append(chunk)
-                    return b"".join(chunks)
+                target = httpx.URL(url)
+                for _ in range(self.limits.max_redirects + 1):
+                    self._check_url(index, target)
+                    body = await self._get(index, target)
+                    if isinstance(body, bytes):
+                        return body
+                    target = target.join(body)  # a redirect's Location, checked next round
+                raise item_error(index, f"fetching {url} took over {self.limits.max_redirects} redirects")
         except trio.TooSlowError:
             raise item_error(index, f"fetching {url} took over {self.limits.fetch_timeout} s") from None
+        except httpx.InvalidURL:
+            raise item_error(index, "the URL is not valid") from None
         except httpx.HTTPError as exc:
             raise item_error(index, f"fetching {url} failed: {type(exc).__name__}") from None
+
+    async def _get(self, index: int, url: httpx.URL) -> bytes | str:
+        """The body, or the Location of a redirect."""
+        limit = self.limits.max_item_bytes
+        async with self._http.stream("GET", url) as response:
+            if response.is_redirect and "location" in response.headers:
+                return response.headers["location"]
+            if response.status_code != 200:
+                raise item_error(index, f"fetching {url} gave HTTP {response.status_code}")
+            chunks, size = [], 0
+            async with aclosing(response.aiter_bytes()) as body:
+                async for chunk in body:
+                    size += len(chunk)
+                    if size > limit:
+                        raise PayloadTooLargeError(f"item {index}: {url} is over {limit} bytes")
+                    chunks.append(chunk)
+            return b"".join(chunks)
 
     async def _read_local(self, index: int, path: str) -> bytes:
         root = self.limits.media_root
@@ -197,6 +226,20 @@ def decode_image(data: Loaded, index: int, limits: MediaLimits) -> Any:
         except (OSError, SyntaxError, ValueError, EOFError) as exc:
             raise item_error(index, f"image cannot be decoded ({exc})") from None
     return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def image_pixels(data: Loaded) -> int:
+    """Width × height from the image's header alone (0 when it is not an image)."""
+    from PIL import Image, UnidentifiedImageError
+
+    if _is_pil(data):
+        return data.size[0] * data.size[1]
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.size[0] * image.size[1]
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError,
+            Image.DecompressionBombError, Image.DecompressionBombWarning):
+        return 0  # decode_image names the problem with the item's index
 
 
 def _check_pixels(size: tuple[int, int], index: int, limits: MediaLimits) -> None:

@@ -21,10 +21,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from epd_trio.errors import EPDError, RequestError
+from epd_trio.errors import EPDError, PayloadTooLargeError, RequestError
 from epd_trio.model.adapters import ModelAdapter, PreprocessResult
 from epd_trio.model.audio import decode_audio
-from epd_trio.model.media import MediaLimits, decode_image, is_frame_list, item_error
+from epd_trio.model.media import MediaLimits, decode_image, image_pixels, is_frame_list, item_error
 from epd_trio.model.video import FrameSampling, decode_video, frames_clip, model_sampler
 
 __all__ = ["EncoderPreprocessor"]
@@ -52,11 +52,26 @@ class EncoderPreprocessor:
             "image": self._image, "video": self._video, "audio": self._audio,
         }
 
-    def preprocess(self, items: Sequence[Any], modality: str) -> PreprocessResult:
-        """Blocking; call through ``trio.to_thread.run_sync``."""
+    def preprocess(self, items: Sequence[Any], modality: str,
+                   indices: Sequence[int] | None = None) -> PreprocessResult:
+        """Blocking; call through ``trio.to_thread.run_sync``.
+
+        ``indices`` are the items' places in their request when ``items`` is a
+        subset of it (the embedding cache's misses), so that errors name them.
+        """
         self.adapter.check_modality(modality)
+        if modality == "image":
+            self._check_request_pixels(items)
         step = self._steps[modality]
-        return self._join([step(i, item) for i, item in enumerate(items)], modality)
+        places = range(len(items)) if indices is None else indices
+        return self._join([step(i, item) for i, item in zip(places, items, strict=True)], modality)
+
+    def _check_request_pixels(self, items: Sequence[Any]) -> None:
+        """All of a request's images together, from their headers, before any is decoded."""
+        total = sum(image_pixels(item) for item in items)
+        if total > self.limits.max_request_pixels:
+            raise PayloadTooLargeError(f"the request's images have {total} pixels together, over the "
+                                       f"cap of {self.limits.max_request_pixels}")
 
     def _image(self, index: int, item: Any) -> PreprocessResult:
         image = decode_image(item, index, self.limits)

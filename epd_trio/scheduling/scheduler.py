@@ -1,15 +1,21 @@
 """The scheduler loop: admission, a bounded memory channel, and the GPU thread.
 
-Callers are admitted against ``max_pending`` (a refusal is immediate: 503),
-preprocess, then hand a ``Job`` over a memory channel to one loop task. The
-loop asks the pure policy what to run and runs it in the device's worker thread
-through ``trio.to_thread.run_sync(..., limiter=CapacityLimiter(1))``.
+Callers are admitted against ``max_pending`` (a refusal is immediate: 503; with
+several devices the ``Admission`` is shared), preprocess, then hand a ``Job``
+over a memory channel to one loop task. The loop asks the pure policy what to
+run and runs it in the device's worker thread through
+``trio.to_thread.run_sync(..., limiter=CapacityLimiter(1))``.
 
 A caller that leaves (cancelled) marks its job abandoned: a queued job is
 dropped before the forward, a running job's share is dropped when the batch
 returns; other jobs in the batch are unaffected. A failed batch is retried one
 request at a time so one bad input fails alone. When the loop stops, every
 job still waiting gets ``NotReadyError``: no caller is left hanging.
+
+A forward that fails with a *device* error (``is_device_error``) kills the
+scheduler: the running batch fails with ``WorkerDeadError``, the jobs still
+queued get ``JobNotRun`` (the dispatcher runs them on another device), later
+submits get ``JobNotRun`` at once, and the loop ends.
 """
 
 from __future__ import annotations
@@ -19,24 +25,36 @@ import logging
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import outcome
 import trio
 
-from epd_trio.errors import EncodeError, EPDError, NotReadyError, OverloadedError
+from epd_trio.errors import EncodeError, EPDError, NotReadyError, OverloadedError, WorkerDeadError
 from epd_trio.model.adapters import PreprocessResult
+from epd_trio.scheduling.dispatch import Admission, JobNotRun
 from epd_trio.scheduling.policy import Batch, BatchPolicy, QueuedRequest, Wait, next_batch
+from epd_trio.scheduling.worker import is_device_error
 
 if TYPE_CHECKING:
     from epd_trio.testing import FaultPlan
 
-__all__ = ["Forward", "Job", "Scheduler", "SchedulerStatistics"]
+__all__ = ["Forward", "Job", "Observer", "Scheduler", "SchedulerStatistics"]
 
 log = logging.getLogger(__name__)
 
 Forward = Callable[[Sequence[PreprocessResult]], list[Any]]
 RunSync = Callable[..., Awaitable[Any]]  # trio.to_thread.run_sync's shape
+
+
+class Observer(Protocol):
+    """Told what happened, in the trio thread (metrics, the profiler's step count)."""
+
+    def stage(self, name: str, seconds: float) -> None:
+        """``name`` is ``queue`` or ``forward`` here (the engine and service add others)."""
+
+    def batch(self, worker: int, size: int, tokens: int) -> None:
+        """A forward of ``size`` requests, ``tokens`` output rows, ran on ``worker``."""
 
 # Requests that skip admission (health probes) need channel room of their own.
 _BYPASS_HEADROOM = 8
@@ -69,6 +87,8 @@ class SchedulerStatistics:
     requests_dropped: int
     batches_run: int
     batches_retried: int
+    redispatched: int = 0  # queued jobs handed back (JobNotRun) when the device died
+    dead: bool = False
 
 
 class Scheduler:
@@ -76,13 +96,19 @@ class Scheduler:
 
     def __init__(
         self, forward: Forward, policy: BatchPolicy, *, max_pending: int = 256,
-        device_limiter: trio.CapacityLimiter | None = None,
+        device_limiter: trio.CapacityLimiter | None = None, admission: Admission | None = None,
+        index: int = 0, observers: list[Observer] | None = None,
     ) -> None:
         if max_pending < 1:
             raise ValueError("max_pending must be at least 1")
         self._forward = forward
         self.policy = policy
         self.max_pending = max_pending
+        self.admission = admission or Admission(max_pending)
+        self.index = index  # the device's place in the engine (metrics label it so)
+        self.observers = observers if observers is not None else []  # shared with the engine
+        self.dead: str | None = None  # why the device failed; None while it serves
+        self.pending = 0  # callers waiting in submit(): the dispatcher's load measure
         self._limiter = device_limiter or trio.CapacityLimiter(1)
         # Sized so that send_nowait never blocks: admission already bounds
         # how many jobs can exist (backpressure happens there, as a 503).
@@ -90,8 +116,9 @@ class Scheduler:
         self._keys = itertools.count()
         self._queue: dict[int, Job] = {}
         self._inflight: list[Job] = []
-        self._admitted = self._running = 0
+        self._running = 0
         self._done = self._failed = self._dropped = self._batches = self._retried = 0
+        self._redispatched = 0
         self.faults: FaultPlan | None = None  # the "forward" point runs in the worker thread
         self.run_sync: RunSync = trio.to_thread.run_sync
 
@@ -99,16 +126,16 @@ class Scheduler:
     @contextmanager
     def admit(self, *, bypass: bool = False) -> Iterator[None]:
         """Hold an admission slot for a request's whole stay; refuse at once when full."""
-        if not bypass and self._admitted >= self.max_pending:
-            raise OverloadedError(f"encoder queue is full ({self.max_pending} pending requests)")
-        self._admitted += 1
-        try:
+        with self.admission.admit(bypass=bypass):
             yield
-        finally:
-            self._admitted -= 1
 
     async def submit(self, payload: PreprocessResult) -> Any:
-        """Queue a preprocessed request and wait for its share of a forward."""
+        """Queue a preprocessed request and wait for its share of a forward.
+
+        Raises ``JobNotRun`` if this device is dead (or dies before the job runs).
+        """
+        if self.dead is not None:
+            raise JobNotRun(f"device worker {self.index} has failed: {self.dead}")
         job = Job(next(self._keys), payload, trio.current_time())
         try:
             self._send.send_nowait(job)
@@ -116,9 +143,11 @@ class Scheduler:
             raise NotReadyError("the scheduler has stopped") from None
         except trio.WouldBlock:  # only if admission was bypassed en masse
             raise OverloadedError("encoder queue is full") from None
+        self.pending += 1
         try:
             await job.done.wait()
         finally:
+            self.pending -= 1
             if not job.done.is_set():
                 job.abandoned = True
         assert job.result is not None
@@ -126,23 +155,25 @@ class Scheduler:
 
     def statistics(self) -> SchedulerStatistics:
         return SchedulerStatistics(
-            admitted=self._admitted,
+            admitted=self.admission.admitted,
             queued=len(self._queue) + self._recv.statistics().current_buffer_used,
             running=self._running, requests_done=self._done, requests_failed=self._failed,
             requests_dropped=self._dropped, batches_run=self._batches,
-            batches_retried=self._retried,
+            batches_retried=self._retried, redispatched=self._redispatched,
+            dead=self.dead is not None,
         )
 
     def __repr__(self) -> str:
         s = self.statistics()
-        return (f"<Scheduler {s.admitted} admitted, {s.queued} queued, {s.running} running, "
-                f"{s.batches_run} batches>")
+        state = f" DEAD ({self.dead})" if self.dead is not None else ""
+        return (f"<Scheduler {self.index}{state}: {s.admitted} admitted, {s.queued} queued, "
+                f"{s.running} running, {s.batches_run} batches>")
 
     # ---- the loop ---------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         try:
-            while True:
+            while self.dead is None:
                 decision = await self._next_decision()
                 if isinstance(decision, Batch):
                     await self._run_batch([self._queue.pop(k) for k in decision.keys])
@@ -178,11 +209,16 @@ class Scheduler:
         self._dropped += len(jobs) - len(live)
         if not live:
             return
+        now = trio.current_time()
+        for job in live:
+            self._observe("stage", "queue", now - job.enqueued_at)
         self._running, self._inflight = len(live), live
         try:
             outputs = await self._call_forward(live)
         except Exception as exc:  # noqa: BLE001 - any forward failure is per-request below
-            if len(live) == 1:
+            if is_device_error(exc):
+                self._die(exc, ran=live, not_run=[])
+            elif len(live) == 1:
                 self._deliver(live[0], outcome.Error(_as_encode_error(exc)))
             else:
                 log.warning("batch of %d failed (%r); retrying one request at a time", len(live), exc)
@@ -196,13 +232,16 @@ class Scheduler:
         self._running, self._inflight = 0, []
 
     async def _run_singly(self, jobs: list[Job]) -> None:
-        for job in jobs:
+        for n, job in enumerate(jobs):
             if job.abandoned:
                 self._dropped += 1
                 continue
             try:
                 (out,) = await self._call_forward([job])
             except Exception as exc:  # noqa: BLE001
+                if is_device_error(exc):
+                    self._die(exc, ran=[job], not_run=jobs[n + 1:])
+                    return
                 self._deliver(job, outcome.Error(_as_encode_error(exc)))
             else:
                 self._deliver(job, outcome.Value(out))
@@ -210,14 +249,48 @@ class Scheduler:
     async def _call_forward(self, jobs: list[Job]) -> list[Any]:
         self._batches += 1
         payloads = [j.payload for j in jobs]
-        # Not abandon_on_cancel: a running forward cannot be interrupted, and
-        # its thread must finish before the model may be torn down.
-        return await self.run_sync(self._forward_with_faults, payloads, limiter=self._limiter)
+        started = trio.current_time()
+        try:
+            # Not abandon_on_cancel: a running forward cannot be interrupted, and
+            # its thread must finish before the model may be torn down.
+            return await self.run_sync(self._forward_with_faults, payloads, limiter=self._limiter)
+        finally:
+            self._observe("stage", "forward", trio.current_time() - started)
+            self._observe("batch", self.index, len(jobs), sum(p.tokens for p in payloads))
 
     def _forward_with_faults(self, payloads: list[PreprocessResult]) -> list[Any]:
         if self.faults is not None:
             self.faults.inject_sync("forward")
         return self._forward(payloads)
+
+    def _observe(self, what: str, *args: Any) -> None:
+        for observer in self.observers:
+            try:
+                getattr(observer, what)(*args)
+            except Exception:  # an observer's bug must not fail a request
+                log.exception("observer %r failed", observer)
+
+    def _die(self, exc: BaseException, *, ran: list[Job], not_run: list[Job]) -> None:
+        """The device failed: ``ran`` fail, everything not yet run goes back to the dispatcher."""
+        self.dead = f"{type(exc).__name__}: {exc}"[:500]
+        log.error("device worker %d failed; it takes no more requests: %s", self.index, self.dead)
+        for job in ran:
+            self._deliver(job, outcome.Error(WorkerDeadError(
+                f"device worker {self.index} failed during this request's forward: {self.dead}")))
+        self._drain_channel()
+        for job in [*not_run, *self._queue.values()]:
+            self._hand_back(job)
+        self._queue.clear()
+
+    def _hand_back(self, job: Job) -> None:
+        if job.done.is_set():
+            return
+        if job.abandoned:
+            self._dropped += 1
+        else:
+            self._redispatched += 1
+        job.finish(outcome.Error(JobNotRun(f"device worker {self.index} failed before this "
+                                           f"request ran: {self.dead}")))
 
     def _deliver(self, job: Job, result: outcome.Outcome) -> None:
         if job.abandoned:
@@ -233,7 +306,9 @@ class Scheduler:
         self._drain_channel()
         self._recv.close()  # later submits fail at once with NotReadyError
         for job in [*self._inflight, *self._queue.values()]:
-            if not job.done.is_set():
+            if self.dead is not None:
+                self._hand_back(job)
+            elif not job.done.is_set():
                 job.finish(outcome.Error(NotReadyError("the encoder is shutting down")))
         self._queue.clear()
         self._running, self._inflight = 0, []

@@ -2,24 +2,57 @@
 
 ``forward`` blocks; the scheduler calls it through ``trio.to_thread.run_sync``
 with a ``CapacityLimiter(1)`` per device, so one forward runs per device at a
-time. On CUDA it uses its own stream, copies inputs host→device without
-blocking, copies the output into pinned host memory and synchronizes an event
-before returning: a result handed back is always fully written, so delivery
-(ZMQ, Mooncake) can never read an unfinished buffer.
+time. On CUDA it uses its own stream, copies inputs host→device from pinned
+memory without blocking, copies the output into pinned host memory and
+synchronizes an event before returning: a result handed back is always fully
+written, so delivery (ZMQ, Mooncake) can never read an unfinished buffer.
+
+``is_device_error`` decides which forward failures mean the *device* is gone
+(the worker is then marked dead by its scheduler) rather than one bad input.
 """
 
 from __future__ import annotations
 
+import collections
+import threading
+import time
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
-from epd_trio.errors import EncodeError
+from epd_trio.errors import EncodeError, WorkerDeadError
 from epd_trio.model.adapters import PreprocessResult
 from epd_trio.model.loader import LoadedEncoder
 
-__all__ = ["EncoderWorker", "WorkerStatistics"]
+__all__ = ["EncoderWorker", "WorkerStatistics", "is_device_error"]
+
+# Lower-cased fragments of the messages torch raises when a device (not an
+# input) failed: CUDA errors and CUDA out-of-memory, device-side asserts (the
+# context is unusable after one), and the CUDA libraries' own failures.
+_DEVICE_ERROR_MARKERS = ("cuda", "device-side", "cublas", "cudnn", "nccl")
+
+# Forwards remembered for ``busy_fraction``: enough for a 10 s window at ~400 forwards/s.
+_BUSY_HISTORY = 4096
+
+
+def is_device_error(exc: BaseException) -> bool:
+    """Whether a forward's exception means the device failed, not the input.
+
+    True for an injected (or re-raised) ``WorkerDeadError``, torch's
+    ``AcceleratorError``, and a ``RuntimeError`` whose message mentions CUDA
+    (CUDA errors, "CUDA out of memory"), a device-side assert, or a CUDA
+    library. A CPU allocation failure or a shape error is an input's problem:
+    the batch is retried one request at a time instead.
+    """
+    if isinstance(exc, WorkerDeadError):
+        return True
+    if not isinstance(exc, RuntimeError):
+        return False
+    if type(exc).__name__ == "AcceleratorError":
+        return True
+    message = str(exc).lower()
+    return any(marker in message for marker in _DEVICE_ERROR_MARKERS)
 
 
 @dataclass(frozen=True)
@@ -31,38 +64,59 @@ class WorkerStatistics:
 
 
 class EncoderWorker:
-    """Runs batches through one device's copy of the encoder."""
+    """Runs batches through one device's copy of the encoder.
 
-    def __init__(self, encoder: LoadedEncoder) -> None:
+    ``compile=True`` wraps the module's forward in ``torch.compile`` (dynamic
+    shapes: every image size would otherwise recompile); the first forwards of
+    each new shape are slow while it compiles.
+    """
+
+    def __init__(self, encoder: LoadedEncoder, *, compile: bool = False) -> None:
         import torch
 
         self.encoder = encoder
         self.device = torch.device(encoder.device)
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        if compile:
+            encoder.module.compile(dynamic=True)
+        self.compiled = compile
         self._forwards = self._items = 0
         self._busy = 0.0
+        # (start, end) of recent forwards in perf_counter time, and the start of
+        # the running one: written by the forward's thread, read by the trio thread.
+        self._history: collections.deque[tuple[float, float]] = collections.deque(maxlen=_BUSY_HISTORY)
+        self._running_since: float | None = None
+        self._lock = threading.Lock()
 
     def forward(self, payloads: Sequence[PreprocessResult]) -> list[Any]:
         """Encode several requests in one forward; one output tensor per request."""
-        import time
-
         import torch
 
         started = time.perf_counter()
-        adapter = self.encoder.adapter
-        inputs = adapter.collate(payloads)
-        stream_ctx = torch.cuda.stream(self._stream) if self._cuda else nullcontext()
-        with torch.inference_mode(), stream_ctx:
-            inputs = {k: self._to_device(v) for k, v in inputs.items()}
-            output = adapter.forward(self.encoder.module, inputs)
-            host = self._to_host(output)
-        sizes = [p.tokens for p in payloads]
-        if host.shape[0] != sum(sizes):
-            raise EncodeError(f"encoder produced {host.shape[0]} tokens, expected {sum(sizes)}")
-        self._forwards += 1
-        self._items += sum(len(p.token_counts) for p in payloads)
-        self._busy += time.perf_counter() - started
+        self._running_since = started
+        try:
+            adapter = self.encoder.adapter
+            inputs = adapter.collate(payloads)
+            with ExitStack() as stack:
+                stack.enter_context(torch.inference_mode())
+                if self._cuda:
+                    stack.enter_context(torch.cuda.device(self.device))
+                    stack.enter_context(torch.cuda.stream(self._stream))
+                inputs = {k: self._to_device(v) for k, v in inputs.items()}
+                output = adapter.forward(self.encoder.module, inputs)
+                host = self._to_host(output)
+            sizes = [p.tokens for p in payloads]
+            if host.shape[0] != sum(sizes):
+                raise EncodeError(f"encoder produced {host.shape[0]} tokens, expected {sum(sizes)}")
+            self._forwards += 1
+            self._items += sum(len(p.token_counts) for p in payloads)
+        finally:
+            ended = time.perf_counter()
+            with self._lock:
+                self._busy += ended - started
+                self._history.append((started, ended))
+                self._running_since = None
         # Row slices of a contiguous tensor are contiguous views: no copies.
         return list(torch.split(host, sizes))
 
@@ -83,5 +137,20 @@ class EncoderWorker:
         event.synchronize()  # the bytes are on the host before anyone may read them
         return host
 
+    def busy_fraction(self, window: float = 10.0, now: float | None = None) -> float:
+        """Share of the last ``window`` seconds spent in forwards (the running one included)."""
+        now = time.perf_counter() if now is None else now
+        since = now - window
+        with self._lock:
+            intervals = list(self._history)
+            if self._running_since is not None:
+                intervals.append((self._running_since, now))
+        busy = sum(max(0.0, min(end, now) - max(start, since)) for start, end in intervals)
+        return min(1.0, busy / window)
+
     def statistics(self) -> WorkerStatistics:
         return WorkerStatistics(str(self.device), self._forwards, self._items, self._busy)
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        return f"<EncoderWorker {s.device}: {s.forwards} forwards, {s.busy_seconds:.3f} s busy>"

@@ -146,3 +146,46 @@ async def test_frame_lists_pass_through_the_loader_untouched() -> None:
         await load([[1, 2]])
     with pytest.raises(RequestError, match=r"item 0: an image item must be .* \(a list of frames is a video\)"):
         decode_image(frames, 0, MediaLimits())
+
+
+def redirecting_web(routes: dict[str, tuple[int, bytes, dict[str, str]]]) -> httpx.AsyncClient:
+    def handler(request: httpx.Request) -> httpx.Response:
+        status, body, headers = routes.get(str(request.url), (404, b"", {}))
+        return httpx.Response(status, content=body, headers=headers)
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+
+
+async def test_allow_list_and_redirects() -> None:
+    raw = png_bytes(8, 8)
+    routes = {
+        "http://cdn.ok.test/a.png": (200, raw, {}),
+        "http://ok.test/hop": (302, b"", {"location": "http://cdn.ok.test/a.png"}),
+        "http://ok.test/evil": (302, b"", {"location": "http://169.254.169.254/latest"}),
+        "http://ok.test/file": (302, b"", {"location": "file:///etc/passwd"}),
+        "http://ok.test/loop": (302, b"", {"location": "/loop"}),
+    }
+    limits = MediaLimits(fetch_allow_hosts=("ok.test",), max_redirects=3)
+    async with redirecting_web(routes) as http:
+        loader = MediaLoader(limits, http)
+        assert await loader.load(["http://ok.test/hop"]) == [raw]  # followed, to an allowed subdomain
+        for url, message in [("http://elsewhere.test/a.png", "not in the encoder's fetch allow-list"),
+                             ("http://ok.test/evil", "'169.254.169.254' is not in the"),
+                             ("http://ok.test/file", "URL scheme 'file'"),
+                             ("http://ok.test/loop", "over 3 redirects"),
+                             ("http://notok.test.attacker/a.png", "not in the encoder's fetch allow-list")]:
+            with pytest.raises(RequestError, match=message):
+                await loader.load([url])
+
+
+def test_request_pixel_cap_checks_headers_first(qwen25_path: str) -> None:
+    from epd_trio.model.loader import load_encoder
+    from epd_trio.model.preprocess import EncoderPreprocessor
+
+    enc = load_encoder(qwen25_path)
+    pre = EncoderPreprocessor(enc.adapter, enc.processors, MediaLimits(max_request_pixels=9000))
+    assert pre.preprocess([png_bytes(60, 60), png_bytes(60, 60)], "image").token_counts  # 7200 px: fine
+    with pytest.raises(PayloadTooLargeError, match="10800 pixels together"):
+        pre.preprocess([png_bytes(60, 60)] * 3, "image")
+    with pytest.raises(PayloadTooLargeError, match="pixels together"):  # bombs count by their headers
+        pre.preprocess([png_bytes(8, 8), png_header_only(8000, 8000)], "image")
