@@ -7,6 +7,7 @@ synchronous HTTP calls with a short timeout (a hang fails the example).
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -23,7 +24,9 @@ from epd_trio.encoder.server import serve_encoder
 from epd_trio.testing import quiescence_problems
 from fuzz_strategies import abort_bodies, encode_bodies, raw, raw_bodies, registry_bodies, send_bodies
 
-EXAMPLES = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# tools/fuzz.py raises the count; CI runs a few hundred examples in all.
+EXAMPLES = settings(max_examples=int(os.environ.get("EPD_FUZZ_EXAMPLES", "120")), deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
 
 
 class Servers:
