@@ -46,7 +46,7 @@ FAULT_POINTS = ("media_load", "preprocess", "admission", "forward", "send", "rel
 LIVE_FIELDS = frozenset({
     "admitted", "preprocessing", "queued", "running", "live_requests", "requests_live",
     "parts_live", "used_bytes", "slots", "waiters", "waiting_bytes", "busy_sockets",
-    "registered_regions", "registered_bytes", "reaping", "inflight", "outstanding",
+    "registered_regions", "registered_bytes", "reaping", "inflight", "outstanding", "pending",
 })
 
 
@@ -164,6 +164,9 @@ def _walk(path: tuple[str, ...], value: Any) -> Iterable[tuple[tuple[str, ...], 
     if isinstance(value, Mapping):
         for key, sub in value.items():
             yield from _walk((*path, str(key)), sub)
+    elif isinstance(value, (list, tuple)):  # e.g. /stats "workers": one entry per device
+        for index, sub in enumerate(value):
+            yield from _walk((*path, str(index)), sub)
     else:
         yield path, value
 
@@ -230,6 +233,7 @@ def run_threads_inline(*owners: Any) -> None:
     Under ``MockClock(autojump_threshold=0)`` a task waiting for a thread
     looks idle, so the clock would jump to the next deadline while the thread
     works; inline, the work happens between two checkpoints in virtual time 0.
+    An engine's schedulers (one per device) are included with it.
     """
     async def inline(fn: Callable[..., Any], *args: Any, limiter: Any = None, **_: Any) -> Any:
         await trio.lowlevel.checkpoint()
@@ -239,3 +243,5 @@ def run_threads_inline(*owners: Any) -> None:
         if not hasattr(owner, "run_sync"):
             raise TypeError(f"{type(owner).__name__} has no run_sync seam")
         owner.run_sync = inline
+        for scheduler in getattr(owner, "schedulers", ()):
+            scheduler.run_sync = inline

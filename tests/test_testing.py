@@ -102,3 +102,8 @@ def test_unknown_point_and_install() -> None:
     assert c.faults is plan
     with pytest.raises(TypeError):
         install_faults(plan, object())
+
+
+def test_quiescence_walks_lists() -> None:
+    stats = {"workers": [{"device": "cpu", "pending": 0}, {"device": "cpu", "pending": 2}]}
+    assert quiescence_problems({"enc": stats}) == ["enc.workers.1.pending=2 (idle is 0)"]
