@@ -28,7 +28,18 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import trio
 
-from epd_trio.cache import CacheEntry, CacheStatistics, EmbeddingCache, content_digest, item_key
+from epd_trio.cache import (
+    CacheEntry,
+    CacheStatistics,
+    EmbeddingCache,
+    content_digest,
+    given_names,
+    item_key,
+    item_parts,
+    join_extras,
+    join_rows,
+    store_misses,
+)
 from epd_trio.config import EngineConfig
 from epd_trio.errors import RequestError
 from epd_trio.model.adapters import PreprocessResult
@@ -239,7 +250,7 @@ class Engine:
                              started: float) -> EncodeOutput:
         """Look every item up; encode only the misses; answer in item order."""
         modality = self._check_modality(modality)
-        given = _given_hashes(items, hashes)
+        given = given_names(items, hashes)
         loaded: list[Any] | None = None
         if any(g is None for g in given):  # content keys need the bytes
             loaded = await self._load(items)
@@ -261,7 +272,7 @@ class Engine:
         if pre is None:
             return _assemble(modality, entries, None, None)
         embedding = await self.dispatcher.submit(pre)
-        _fill(cache, keys, misses, pre, embedding)
+        store_misses(cache, keys, misses, pre, embedding)
         return _assemble(modality, entries, pre, embedding)
 
     async def _digests(self, loaded: Sequence[Any], given: Sequence[str | None]) -> list[bytes | None]:
@@ -307,74 +318,20 @@ class Engine:
                 f"{s.workers_alive}/{s.workers} workers alive>")
 
 
-def _given_hashes(items: Sequence[Any], hashes: Sequence[str] | None) -> list[str | None]:
-    """Each item's client-given name: its ``hashes`` entry, else its ``content_hash``, else None."""
-    if hashes is not None and len(hashes) != len(items):
-        raise RequestError(f"'hashes' must have one entry per item ({len(items)}), got {len(hashes)}")
-    out: list[str | None] = []
-    for i, item in enumerate(items):
-        name = hashes[i] if hashes is not None else None
-        if name is None and isinstance(item, dict) and isinstance(item.get("content_hash"), str):
-            name = item["content_hash"] or None
-        out.append(name)
-    return out
-
-
-def _item_parts(modality: str, entries: Sequence[CacheEntry | None], pre: PreprocessResult | None
-                ) -> list[tuple[int, tuple[int, int, int] | None, dict[str, Any]]]:
-    """(token count, grid, extras) of every item in order, from the cache or the misses' result."""
-    parts, j = [], 0
-    for entry in entries:
-        if entry is not None:
-            parts.append((entry.token_count, entry.grid_thw, dict(entry.extras)))
-            continue
-        assert pre is not None
-        grid = tuple(pre.grid_thw[j]) if pre.grid_thw else None
-        parts.append((pre.token_counts[j], grid, {k: v[j] for k, v in pre.extras.items()}))
-        j += 1
-    return parts  # type: ignore[return-value]
-
-
 def _describe(modality: str, entries: Sequence[CacheEntry | None],
               pre: PreprocessResult | None) -> PreprocessResult:
     """The whole request's sizes (for ``on_preprocessed``), cached items included."""
-    parts = _item_parts(modality, entries, pre)
-    return PreprocessResult(
-        modality, dict(pre.inputs) if pre is not None else {},
-        tuple(g for _, g, _ in parts if g is not None), tuple(c for c, _, _ in parts),
-        _join_extras([x for _, _, x in parts]))
-
-
-def _join_extras(extras: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
-    keys = list(dict.fromkeys(k for x in extras for k in x))
-    return {k: [x.get(k) for x in extras] for k in keys}
-
-
-def _fill(cache: EmbeddingCache, keys: Sequence[bytes], misses: Sequence[int],
-          pre: PreprocessResult, embedding: Any) -> None:
-    import torch
-
-    rows = torch.split(embedding, list(pre.token_counts))
-    for j, i in enumerate(misses):
-        grid = pre.grid_thw[j] if pre.grid_thw else None
-        cache.put(keys[i], rows[j], pre.token_counts[j], grid,
-                  {k: v[j] for k, v in pre.extras.items()})
+    parts = item_parts(entries, pre)
+    return PreprocessResult(modality, dict(pre.inputs) if pre is not None else {},
+                            tuple(p.grid_thw for p in parts if p.grid_thw is not None),
+                            tuple(p.token_count for p in parts), join_extras(parts))
 
 
 def _assemble(modality: str, entries: Sequence[CacheEntry | None], pre: PreprocessResult | None,
               embedding: Any) -> EncodeOutput:
-    """The answer in item order. Cached rows are always copied out (``torch.cat``
-    allocates), so the caller owns its tensor and the cache stays untouched."""
-    import torch
-
-    parts = _item_parts(modality, entries, pre)
-    if all(entry is None for entry in entries):
-        joined = embedding  # nothing cached: the forward's own output, no copy
-    else:
-        rows = iter(torch.split(embedding, list(pre.token_counts)) if pre is not None else ())
-        joined = torch.cat([entry.embedding if entry is not None else next(rows) for entry in entries])
-    return EncodeOutput(modality, joined, [c for c, _, _ in parts],
-                        [g for _, g, _ in parts if g is not None], _join_extras([x for _, _, x in parts]))
+    parts = item_parts(entries, pre)
+    return EncodeOutput(modality, join_rows(entries, pre, embedding), [p.token_count for p in parts],
+                        [p.grid_thw for p in parts if p.grid_thw is not None], join_extras(parts))
 
 
 async def resolve_model_path(config: EngineConfig) -> Path:

@@ -212,7 +212,7 @@ async def run_engine(model_dir: Path, images: list[Any], concurrency: int, max_b
 
     overrides: dict[str, Any] = {"preprocess_workers": args.preprocess_workers} \
         if args.preprocess_workers else {}
-    async with open_engine(model_path=str(model_dir), device="cpu", dtype=args.dtype,
+    async with open_engine(model_path=str(model_dir), device=args.device, dtype=args.dtype,
                            max_batch_size=max_batch, coalesce_delay=args.coalesce_delay,
                            **overrides) as engine:
         sizes = record_batch_sizes(engine)
@@ -238,7 +238,7 @@ async def run_engine(model_dir: Path, images: list[Any], concurrency: int, max_b
 
 
 # ---- bare transformers ------------------------------------------------------
-def load_bare(model_dir: Path, dtype: str) -> tuple[Any, Any]:
+def load_bare(model_dir: Path, dtype: str, device: str = "cpu") -> tuple[Any, Any]:
     """The vision module and image processor, loaded the plain transformers way."""
     import torch
     import transformers
@@ -246,15 +246,17 @@ def load_bare(model_dir: Path, dtype: str) -> tuple[Any, Any]:
     model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
         model_dir, dtype=getattr(torch, dtype), local_files_only=True)
     processor = transformers.AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
-    return model.model.visual.eval(), processor
+    return model.model.visual.to(device).eval(), processor
 
 
 def _bare_forward(visual: Any, processed: list[Any]) -> Any:
     import torch
 
-    pixel_values = torch.cat([p["pixel_values"] for p in processed]).type(visual.dtype)
+    device = next(visual.parameters()).device
+    pixel_values = torch.cat([p["pixel_values"] for p in processed]).to(device).type(visual.dtype)
     grid_thw = torch.cat([p["image_grid_thw"] for p in processed])
-    return visual(pixel_values, grid_thw=grid_thw).pooler_output, grid_thw
+    embeds = visual(pixel_values, grid_thw=grid_thw.to(device)).pooler_output
+    return embeds.cpu(), grid_thw  # on CUDA: waits for the device, as the engine's copy out does
 
 
 def run_bare(visual: Any, processor: Any, images: list[Any], batch_sizes: list[int]) -> BareRun:
@@ -382,6 +384,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", type=Path, default=None,
                    help="build (or reuse) the checkpoint here instead of a temp dir")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="torch device of the engine and the bare loop "
+                   "(cpu, cuda, cuda:1)")
     return p.parse_args(argv)
 
 
@@ -446,14 +450,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     pixels = sum(im.width * im.height for im in map(decoded, images))
     print(f"{spec}\ntorch {torch.__version__}, threads={torch.get_num_threads()} "
           f"(interop {torch.get_num_interop_threads()}), dtype={args.dtype}, "
-          f"cpu_count={os.cpu_count()}, preprocess_workers={args.preprocess_workers or 'default'}, "
+          f"device={args.device}, cpu_count={os.cpu_count()}, preprocess_workers={args.preprocess_workers or 'default'}, "
           f"coalesce_delay={args.coalesce_delay}, "
           f"bare loop on {'the main' if args.bare_in_main_thread else 'a worker'} thread, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}\n"
           f"{n} {args.format} images, sides from {sizes}, {pixels / n / 1e3:.0f} kpx/image, best of {repeat}")
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         model_dir = prepare_checkpoint(args, spec, tmp)
-        bare = load_bare(model_dir, args.dtype)
+        bare = load_bare(model_dir, args.dtype, args.device)
         print(f"processor {type(bare[1]).__name__}, attention {bare[0].config._attn_implementation}")
         warm_bare(*bare, images[0])
         in_worker_thread(warm_bare, *bare, images[0])

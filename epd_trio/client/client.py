@@ -52,6 +52,7 @@ from epd_trio.client.answers import (
     zmq_error,
 )
 from epd_trio.client.items import is_heavy, to_wire_items
+from epd_trio.client.metrics import ClientMetrics
 from epd_trio.client.pool import EmbeddingPool, PoolStatistics, Slot
 from epd_trio.client.result import (
     EncodedRequest,
@@ -176,6 +177,12 @@ class EncoderClient:
         self._counts = dict(requests_done=0, requests_failed=0, retries=0, messages_received=0,
                             messages_dropped=0, aborts_sent=0, aborts_failed=0,
                             refresh_failures=0)
+        self.metrics = ClientMetrics(self.statistics)
+
+    @property
+    def metrics_registry(self) -> Any:
+        """This client's ``prometheus_client.CollectorRegistry`` (see ``client.metrics``)."""
+        return self.metrics.registry
 
     # ---- lifecycle ----------------------------------------------------------
     async def __aenter__(self) -> EncoderClient:
@@ -236,7 +243,18 @@ class EncoderClient:
         """
         self._require_open()
         limit = self.config.timeout if timeout is None else timeout
-        deadline = trio.current_time() + limit
+        started = trio.current_time()
+        deadline = started + limit
+        try:
+            result = await self._encode(items, limit, deadline, req_id)
+        except BaseException as exc:
+            self.metrics.request(trio.current_time() - started, exc)
+            raise
+        self.metrics.request(trio.current_time() - started, None)
+        return result
+
+    async def _encode(self, items: Mapping[str, Sequence[Any]], limit: float, deadline: float,
+                      req_id: str | None) -> EncodedRequest:
         wire = await trio.to_thread.run_sync(to_wire_items, items) if is_heavy(items) \
             else to_wire_items(items)
         req = self._register(req_id, wire)

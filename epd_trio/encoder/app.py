@@ -12,11 +12,14 @@ import dataclasses
 import logging
 from typing import Any
 
+import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 
 from epd_trio._http import BearerAuth, install_error_handlers, json_error, json_response
 from epd_trio._version import __version__
+from epd_trio.encoder.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from epd_trio.encoder.profiling import parse_profile_request
 from epd_trio.encoder.service import EncoderService
 from epd_trio.encoder.staging import SendOrder
 from epd_trio.errors import EPDError, HeadersTooLargeError
@@ -79,17 +82,24 @@ def _access_control(app: QuartTrio, config: Any) -> None:
 def _routes(app: QuartTrio, service: EncoderService) -> None:
     @app.post("/encode")
     async def encode() -> Response:
-        body = await _body()
+        body: dict[str, Any] = {}
         try:
+            body = await _body()
             req = parse_encode_request(body, max_items=service.config.max_items)
+        except EPDError as exc:
+            service.metrics.request("unknown", exc)  # the body's modality is not to be trusted
+            return json_error(exc, _peek_req_id(body))
+        try:
             answer = await service.encode(req)
         except EPDError as exc:
             return json_error(exc, _peek_req_id(body))
         if req.deliver.backend == "inline":
+            started = trio.current_time()
             data = encode_safetensors(answer.embedding, {
                 "req_id": req.req_id, "part_idx": req.part_idx, "num_parts": req.num_parts,
                 "modality": answer.modality, "token_counts": answer.token_counts,
                 "grid_thw": answer.grid_thw, "extras": answer.extras})
+            service.metrics.stage("send", trio.current_time() - started)
             return Response(data, status=200, mimetype=SAFETENSORS_MIME)
         meta = answer.meta().to_json()
         if req.deliver.backend == "mooncake":
@@ -118,8 +128,10 @@ def _routes(app: QuartTrio, service: EncoderService) -> None:
             return json_response({"status": "draining"}, 503)
         report = await service.health.check()
         status = "ok" if report.healthy else "unhealthy"
-        return json_response({"status": status, "probed": report.probed, "detail": report.detail},
-                     200 if report.healthy else 503)
+        body = {"status": status, "probed": report.probed, "detail": report.detail}
+        if report.dead_workers:
+            body["dead_workers"] = list(report.dead_workers)
+        return json_response(body, 200 if report.healthy else 503)
 
     @app.get("/model_info")
     async def model_info() -> Response:
@@ -131,3 +143,19 @@ def _routes(app: QuartTrio, service: EncoderService) -> None:
     @app.get("/stats")
     async def stats() -> Response:
         return json_response(service.statistics())
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(service.metrics.exposition(), status=200, content_type=METRICS_CONTENT_TYPE)
+
+    @app.post("/start_profile")
+    async def start_profile() -> Response:
+        raw = await request.get_data(cache=False)
+        output_dir, num_steps = parse_profile_request(parse_json_body(raw) if raw.strip() else {})
+        target = service.profiler.start(output_dir, num_steps)
+        return json_response({"status": "started", "output_dir": str(target), "num_steps": num_steps})
+
+    @app.post("/stop_profile")
+    async def stop_profile() -> Response:
+        trace = await service.profiler.stop()
+        return json_response({"status": "stopped", "trace": str(trace)})

@@ -24,6 +24,8 @@ import trio
 from epd_trio._util import first_leaf
 from epd_trio.config import EncoderConfig
 from epd_trio.encoder.health import HealthMonitor
+from epd_trio.encoder.metrics import ServiceMetrics
+from epd_trio.encoder.profiling import Profiler
 from epd_trio.encoder.requests import RequestRegistry, RequestScope
 from epd_trio.encoder.staging import Mailbox, SendOrder, serve_send_orders
 from epd_trio.engine import Engine
@@ -115,10 +117,26 @@ class EncoderService:
         self._nursery = nursery
         self.draining = False
         self.faults: FaultPlan | None = None  # epd_trio.testing installs one; never the network
+        self.metrics = ServiceMetrics(self)
+        self.profiler = Profiler(config.profile_dir, nursery)
 
     # ---- the HTTP handler's side ------------------------------------------
     async def encode(self, request: EncodeRequest) -> EncodeAnswer:
         """Run ``request`` in its own scope and wait for the answer to give."""
+        try:
+            scope = await self._start_scope(request)
+        except EPDError as exc:  # refused before a scope existed (a scope counts its own outcome)
+            self.metrics.request(request.modality, exc)
+            raise
+        try:
+            await scope.ready.wait()  # bounded: the scope has the request deadline
+        finally:
+            if not scope.ready.is_set():  # our client left (disconnect) or we were cancelled
+                scope.cancel(AbortedError("the client went away", req_id=request.req_id))
+        assert scope.result is not None
+        return scope.result.unwrap()
+
+    async def _start_scope(self, request: EncodeRequest) -> RequestScope:
         if self.draining:
             raise NotReadyError("the encoder is draining and accepts no new requests")
         if request.deliver.backend == "mooncake" and self.mooncake is None:
@@ -132,14 +150,7 @@ class EncoderService:
         # first checkpoint, so the shield lasts one scheduling pass; a
         # cancellation meanwhile lands at ``ready.wait()`` and aborts the scope.
         with trio.CancelScope(shield=True):
-            scope: RequestScope = await self._nursery.start(self._run_scope, request)
-        try:
-            await scope.ready.wait()  # bounded: the scope has the request deadline
-        finally:
-            if not scope.ready.is_set():  # our client left (disconnect) or we were cancelled
-                scope.cancel(AbortedError("the client went away", req_id=request.req_id))
-        assert scope.result is not None
-        return scope.result.unwrap()
+            return await self._nursery.start(self._run_scope, request)
 
     async def send(self, req_id: str, part_idx: int, order: SendOrder) -> int:
         """A Mooncake ``/send``: have the request's scope write its bytes; wait until in place."""
@@ -169,8 +180,10 @@ class EncoderService:
     async def _run_scope(self, request: EncodeRequest, *,
                          task_status: trio.TaskStatus[RequestScope]) -> None:
         with self.registry.register(request.key) as scope:
-            scope.cancel_scope.deadline = trio.current_time() + self.config.request_timeout
+            started = trio.current_time()
+            scope.cancel_scope.deadline = started + self.config.request_timeout
             task_status.started(scope)
+            succeeded = False
             try:
                 with scope.cancel_scope:
                     await self._encode_and_deliver(request, scope)
@@ -178,6 +191,7 @@ class EncoderService:
                     raise scope.cancel_reason or DeadlineExceeded(
                         f"request exceeded its {self.config.request_timeout} s deadline",
                         req_id=request.req_id)
+                succeeded = True
             except EPDError as exc:
                 await self._fail(request, scope, exc)
             except Exception as exc:  # a bug: answer 500, keep serving
@@ -186,6 +200,8 @@ class EncoderService:
             finally:
                 # Shutdown cancels the request nursery: answer, never leave the handler waiting.
                 scope.set_result(outcome.Error(NotReadyError("the encoder is shutting down")))
+                self._count(request, started, None if succeeded else
+                            scope.failure or NotReadyError("the encoder is shutting down"))
                 if self.faults is not None:
                     await self._release_fault(request)
             # release: leaving register() drops the scope and what it held
@@ -203,13 +219,15 @@ class EncoderService:
                     extras=pre.extras)))
 
         try:
-            output = await self.engine.encode(request.mm_items, request.modality, on_preprocessed=sized)
+            output = await self.engine.encode(request.mm_items, request.modality,
+                                              hashes=request.hashes, on_preprocessed=sized)
             self.health.batch_completed()
             answer = _answer(request, output.modality, output.token_counts, output.grid_thw,
                              info.dim, output.embedding.dtype, output.embedding, output.extras)
             if self.faults is not None and request.deliver.backend != "inline":
                 await self.faults.inject("send", cancel=lambda: scope.cancel(
                     AbortedError("injected cancellation", req_id=request.req_id)))
+            sending = trio.current_time()
             if mooncake:
                 assert self.mooncake is not None
                 await serve_send_orders(self.mooncake, scope.mailbox, output.embedding,
@@ -221,6 +239,8 @@ class EncoderService:
                     token_counts=output.token_counts, grid_thw=output.grid_thw,
                     extras=output.extras)
                 await self._send_all(request, encode_zmq_message(header, output.embedding))
+            if request.deliver.backend != "inline":  # inline: the HTTP handler times its body
+                self.metrics.stage("send", trio.current_time() - sending)
             scope.set_result(outcome.Value(answer))
         except BaseException as exc:
             if mooncake:  # /send callers waiting for this request learn why it ended
@@ -230,6 +250,10 @@ class EncoderService:
         else:
             if mooncake:
                 scope.mailbox.close(_released(request))
+
+    def _count(self, request: EncodeRequest, started: float, failure: BaseException | None) -> None:
+        self.metrics.request(request.modality, failure)
+        self.metrics.stage("end_to_end", trio.current_time() - started)
 
     async def _release_fault(self, request: EncodeRequest) -> None:
         """The "release" fault point: a delay or error here must not stop the release."""
@@ -283,7 +307,10 @@ class EncoderService:
             "requests_done": engine.requests_done, "batches_run": engine.batches_run,
             "errors": registry.failed, "draining": self.draining,
             "registry": dataclasses.asdict(registry), "engine": dataclasses.asdict(engine),
-            "worker": dataclasses.asdict(self.engine.worker.statistics()),
+            "worker": dataclasses.asdict(self.engine.worker.statistics()),  # the first device's
+            "workers": [dataclasses.asdict(w) for w in self.engine.worker_states()],
+            "cache": dataclasses.asdict(engine.cache) if engine.cache is not None else None,
+            "profiler": dataclasses.asdict(self.profiler.statistics()),
             "zmq": dataclasses.asdict(self.zmq.statistics()),
             "mooncake": dataclasses.asdict(self.mooncake.statistics()) if self.mooncake else None,
             "health": dataclasses.asdict(self.health.statistics()),
@@ -297,12 +324,17 @@ async def open_encoder_service(config: EncoderConfig, engine: Engine) -> AsyncIt
                                idle_close=config.zmq_idle_close) as zmq, \
             _maybe_mooncake(config) as mooncake, trio.open_nursery() as nursery:
         service = EncoderService(config, engine, zmq, nursery, mooncake)
+        observers = (service.metrics, service.profiler)
+        engine.observers.extend(observers)
         try:
             yield service
         finally:
             with trio.CancelScope(shield=True):
                 await service.drain()
             nursery.cancel_scope.cancel()
+            for observer in observers:
+                engine.observers.remove(observer)
+            service.profiler.close()
 
 
 @asynccontextmanager

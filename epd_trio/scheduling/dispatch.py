@@ -127,7 +127,7 @@ class Dispatcher:
                 continue
 
     def describe_dead(self) -> str:
-        dead = [f"worker {i} ({w.device}): {s.dead}" for i, (w, s)
+        dead = [f"worker {i} ({w.statistics().device}): {s.dead}" for i, (w, s)
                 in enumerate(zip(self.workers, self.schedulers)) if s.dead is not None]
         return "; ".join(dead) or "none dead"
 

@@ -56,6 +56,7 @@ class Observer(Protocol):
     def batch(self, worker: int, size: int, tokens: int) -> None:
         """A forward of ``size`` requests, ``tokens`` output rows, ran on ``worker``."""
 
+
 # Requests that skip admission (health probes) need channel room of their own.
 _BYPASS_HEADROOM = 8
 

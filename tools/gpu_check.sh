@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# The prepared GPU check: on a machine with a CUDA GPU (no network needed), run the GPU
+# tests and the engine / service / production benchmarks on a real-size Qwen2.5-VL-7B
+# vision tower (random weights, bfloat16), then print a compact table. Under 8 minutes:
+# every step has its own timeout. Elsewhere it prints "no CUDA device: skipped", exit 0.
+#
+#   bash tools/gpu_check.sh                       # logs under $OUT (or /tmp/epd-gpu-check)
+#
+# Python: $PYTHON (default python3, the one that holds torch). Packages that python lacks
+# come from a wheel directory, $EPD_WHEELS (default .whl, made here by tools/gpu_wheels.sh),
+# installed offline into a venv that sees the system's packages (torch, transformers).
+# Through the device tool: first `bash tools/gpu_wheels.sh` here, then run
+#   bash tools/gpu_check.sh        with carry [".whl"] and timeout_s 540.
+# Exit status: 0 when every step passed (or no CUDA), 1 when a step failed or timed out.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+LOGS="${OUT:-/tmp/epd-gpu-check}"
+mkdir -p "$LOGS"
+PY="${PYTHON:-python3}"
+WHEELS="${EPD_WHEELS:-$ROOT/.whl}"
+VENV="${EPD_GPU_VENV:-/tmp/epd-gpu-venv}"
+CKPT="${EPD_GPU_CKPT:-/tmp/epd-gpu-ckpt/qwen2.5-vl-7b-vision}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 GLOG_minloglevel=2
+
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+    echo "gpu_check: no CUDA device: skipped (nothing to check here; $PY sees no CUDA torch)"
+    exit 0
+fi
+
+# ---- environment: the system's torch, plus our other packages from wheels ----------
+NEEDED="import trio, hypercorn, quart_trio, zmq, trio_util, msgpack, httpx, safetensors, PIL, prometheus_client, pytest, pytest_trio, hypothesis"
+if ! "$PY" -c "$NEEDED" >/dev/null 2>&1; then
+    if [ ! -x "$VENV/bin/python" ]; then
+        "$PY" -m venv --system-site-packages "$VENV" || { echo "gpu_check: cannot create $VENV"; exit 1; }
+    fi
+    if ! "$VENV/bin/python" -c "$NEEDED" >/dev/null 2>&1; then
+        if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+            echo "gpu_check: $PY lacks packages ($("$PY" -c "$NEEDED" 2>&1 | tail -1)) and there is"
+            echo "           no wheel directory $WHEELS: run 'bash tools/gpu_wheels.sh' where pip works"
+            exit 1
+        fi
+        "$VENV/bin/python" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check \
+            "$WHEELS"/*.whl || { echo "gpu_check: offline install from $WHEELS failed"; exit 1; }
+    fi
+    PY="$VENV/bin/python"
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+"$PY" -c "$NEEDED" || exit 1
+"$PY" - <<'EOF'
+import torch
+p = torch.cuda.get_device_properties(0)
+print(f"gpu_check: {torch.cuda.device_count()} x {p.name} ({p.total_memory / 2**30:.0f} GiB), "
+      f"torch {torch.__version__}, CUDA {torch.version.cuda}")
+EOF
+
+# ---- the steps -----------------------------------------------------------------
+declare -a ROWS
+FAILED=0
+step() {  # step NAME TIMEOUT_S COMMAND...
+    local name="$1" limit="$2"; shift 2
+    local t0=$SECONDS status
+    echo; echo "== $name (timeout ${limit}s): $*"
+    timeout -k 10 "$limit" "$@" 2>&1 | grep -v -E '^[IW][0-9]{4} |^USDT' | tee "$LOGS/$name.log"
+    local rc=${PIPESTATUS[0]}
+    case $rc in 0) status=ok ;; 124|137) status="TIMEOUT"; FAILED=1 ;; *) status="FAILED ($rc)"; FAILED=1 ;; esac
+    ROWS+=("$(printf '%-18s %-12s %5ss' "$name" "$status" "$((SECONDS - t0))")")
+}
+
+step gpu_tests 120 "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -o faulthandler_timeout=110
+# The 7B vision tower's checkpoint is built once (in bench_engine) and reused.
+step bench_engine 150 "$PY" tools/bench_engine.py --device cuda --checkpoint-dir "$CKPT" \
+    --images 32 --concurrency 8 16
+if "$PY" tools/bench_service.py --help 2>/dev/null | grep -q -- '--device'; then
+    step bench_service 90 "$PY" tools/bench_service.py --quick --full-size --device cuda \
+        --checkpoint-dir "$CKPT" --requests 100
+else  # its throughput part would run the 7B tower on the CPU: only the added-latency part
+    step bench_service 90 "$PY" tools/bench_service.py --quick --skip-throughput --requests 100
+fi
+step bench_production 80 "$PY" tools/bench_production.py --quick --full-size --device cuda \
+    --checkpoint-dir "$CKPT"
+
+# ---- the compact table -----------------------------------------------------------
+{
+    echo; echo "== gpu_check summary ($(date -u +%FT%TZ), logs in $LOGS)"
+    printf '%-18s %-12s %6s\n' step status time
+    printf '%s\n' "${ROWS[@]}"
+    echo; echo "-- gpu tests:"; grep -E 'passed|failed|skipped|error' "$LOGS/gpu_tests.log" | tail -1
+    echo; echo "-- engine vs bare transformers (img/s):"
+    grep -E '^(config|qwen2\.5-vl-7b-vision) ' "$LOGS/bench_engine.log" || echo "(no table)"
+    echo; echo "-- service:"; grep -E '^summary' "$LOGS/bench_service.log" || echo "(no summary)"
+    echo; echo "-- cache and workers:"
+    sed -n '/^path /,/^$/p;/^configuration /,/^$/p' "$LOGS/bench_production.log" || true
+} | tee "$LOGS/summary.txt"
+exit $FAILED
