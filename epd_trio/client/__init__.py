@@ -5,11 +5,12 @@
 """
 
 from epd_trio.client.answers import RemoteEncodeError
-from epd_trio.client.client import ClientStatistics, EncoderClient, open_encoder_client
-from epd_trio.config import ClientConfig
+from epd_trio.client.client import EncoderClient, open_encoder_client
 from epd_trio.client.pool import EmbeddingPool, PoolStatistics, Slot
 from epd_trio.client.result import EncodedRequest, ItemEmbedding
 from epd_trio.client.routing import Part, plan_parts
+from epd_trio.client.state import ClientStatistics
+from epd_trio.config import ClientConfig
 
 __all__ = [
     "ClientConfig",

@@ -31,12 +31,10 @@ import logging
 import uuid
 from collections.abc import Mapping, Sequence
 from contextlib import AsyncExitStack, aclosing
-from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
 import httpx
-import torch
 import trio
 from trio_util import periodic
 
@@ -53,7 +51,7 @@ from epd_trio.client.answers import (
 )
 from epd_trio.client.items import is_heavy, to_wire_items
 from epd_trio.client.metrics import ClientMetrics
-from epd_trio.client.pool import EmbeddingPool, PoolStatistics, Slot
+from epd_trio.client.pool import EmbeddingPool
 from epd_trio.client.result import (
     EncodedRequest,
     PartReport,
@@ -62,7 +60,8 @@ from epd_trio.client.result import (
     plan_layout,
     slot_views,
 )
-from epd_trio.client.routing import Part, pick_fallback, plan_parts
+from epd_trio.client.routing import pick_fallback, plan_parts
+from epd_trio.client.state import ClientStatistics, LiveRequest, PartState
 from epd_trio.config import ClientConfig
 from epd_trio.errors import (
     AbortedError,
@@ -74,8 +73,8 @@ from epd_trio.errors import (
     RequestError,
     TransportError,
 )
-from epd_trio.protocol.messages import EmbeddingHeader, validate_req_id
-from epd_trio.transport.mooncake import MooncakeStatistics, MooncakeTransport, open_mooncake
+from epd_trio.protocol.messages import validate_req_id
+from epd_trio.transport.mooncake import MooncakeTransport, open_mooncake
 from epd_trio.transport.zmq import PullReceiver, validate_endpoint
 
 if TYPE_CHECKING:
@@ -92,56 +91,6 @@ log = logging.getLogger(__name__)
 
 # Copying this much (~2 ms at memcpy speed) is worth a thread hop off the trio loop.
 _COPY_IN_THREAD_BYTES: Final = 16 << 20
-
-
-@dataclass(frozen=True)
-class ClientStatistics:
-    encoders: tuple[str, ...]
-    outstanding: Mapping[str, int]  # parts in flight per encoder
-    requests_live: int
-    parts_live: int  # parts registered with the demultiplexer
-    requests_done: int
-    requests_failed: int
-    retries: int  # parts moved to another encoder after a connect error
-    messages_received: int
-    messages_dropped: int  # for no live part (late, duplicate or unknown)
-    malformed_messages: int  # dropped by the PULL receiver
-    aborts_sent: int
-    aborts_failed: int
-    refresh_failures: int  # registry queries that failed (the last list was kept)
-    pool: PoolStatistics
-    mooncake: MooncakeStatistics | None  # the transfer engine, with transfer_backend="mooncake"
-
-
-@dataclass(eq=False)
-class _PartState:
-    part: Part
-    encoder_url: str  # where it is (or was last) posted; differs from the plan after a retry
-    arrived: trio.Event = dataclasses.field(default_factory=trio.Event)
-    message: tuple[EmbeddingHeader, torch.Tensor | None] | None = None
-    described: ReceivedPart | None = None  # Mooncake: its checked shape, from the /encode answer
-    posted: bool = False  # an /encode may have reached encoder_url
-    answered: bool = False  # the encoder is done with it: an error, a ZMQ /encode answer or
-    # a Mooncake /send answer (a Mooncake /encode answer leaves it staged, waiting for /send)
-    settled: bool = False  # no longer counted as outstanding
-    started: float = 0.0  # trio.current_time() of the first post
-    finished: float = 0.0  # when its embedding arrived
-
-
-@dataclass(eq=False)
-class _LiveRequest:
-    req_id: str
-    wire: dict[str, list[str]]
-    parts: list[_PartState]
-    scope: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope)
-    failure: EPDError | None = None
-    slot: Slot | None = None  # the request's until its result takes it
-
-    def fail(self, exc: EPDError) -> None:
-        """The first failure wins and cancels everything the request still does."""
-        if self.failure is None:
-            self.failure = exc
-        self.scope.cancel()
 
 
 def advertised_endpoint(bound: str, advertise: str | None) -> str:
@@ -172,8 +121,8 @@ class EncoderClient:
         self._closed = False
         self._drained: trio.Event | None = None  # set when the last request is gone, on close
         self._outstanding = dict.fromkeys(self.encoders, 0)
-        self._requests: dict[str, _LiveRequest] = {}
-        self._parts: dict[tuple[str, int], _PartState] = {}
+        self._requests: dict[str, LiveRequest] = {}
+        self._parts: dict[tuple[str, int], PartState] = {}
         self._counts = dict(requests_done=0, requests_failed=0, retries=0, messages_received=0,
                             messages_dropped=0, aborts_sent=0, aborts_failed=0,
                             refresh_failures=0)
@@ -296,7 +245,7 @@ class EncoderClient:
         )
 
     # ---- one request --------------------------------------------------------
-    def _register(self, req_id: str | None, wire: dict[str, list[str]]) -> _LiveRequest:
+    def _register(self, req_id: str | None, wire: dict[str, list[str]]) -> LiveRequest:
         """Plan the parts and make them findable by the demultiplexer (synchronously)."""
         self._require_open()  # the client may have closed while the items were converted
         if not self.encoders:
@@ -309,14 +258,14 @@ class EncoderClient:
         if req_id in self._requests:
             raise DuplicateRequestError(f"request {req_id!r} is already live", req_id=req_id)
         plan = plan_parts({m: len(v) for m, v in wire.items()}, self.encoders, self._outstanding)
-        req = _LiveRequest(req_id, wire, [_PartState(p, p.encoder_url) for p in plan])
+        req = LiveRequest(req_id, wire, [PartState(p, p.encoder_url) for p in plan])
         self._requests[req_id] = req
         for state in req.parts:
             self._parts[(req_id, state.part.part_idx)] = state
             self._outstanding[state.encoder_url] += 1
         return req
 
-    def _unregister(self, req: _LiveRequest) -> None:
+    def _unregister(self, req: LiveRequest) -> None:
         for state in req.parts:
             self._settle(state)
             del self._parts[(req.req_id, state.part.part_idx)]
@@ -324,12 +273,12 @@ class EncoderClient:
         if not self._requests and self._drained is not None:
             self._drained.set()
 
-    def _settle(self, state: _PartState) -> None:
+    def _settle(self, state: PartState) -> None:
         if not state.settled:
             state.settled = True
             self._outstanding[state.encoder_url] -= 1
 
-    async def _complete(self, req: _LiveRequest) -> EncodedRequest:
+    async def _complete(self, req: LiveRequest) -> EncodedRequest:
         """Run the parts, then gather them into one pool slot; raises the first failure."""
         with req.scope:
             async with trio.open_nursery() as nursery:
@@ -342,7 +291,7 @@ class EncoderClient:
         assert req.failure is not None  # only fail() cancels req.scope
         raise req.failure
 
-    async def _assemble(self, req: _LiveRequest) -> EncodedRequest:
+    async def _assemble(self, req: LiveRequest) -> EncodedRequest:
         """ZMQ and inline: copy the received parts into one slot."""
         if self.faults is not None:
             await self.faults.inject("client_gather", cancel=lambda: req.fail(
@@ -360,7 +309,7 @@ class EncoderClient:
         req.slot = None  # the result owns it now
         return EncodedRequest(req.req_id, slot, layouts, embeddings, self._reports(req))
 
-    async def _receive_in_place(self, req: _LiveRequest, session: str) -> EncodedRequest:
+    async def _receive_in_place(self, req: LiveRequest, session: str) -> EncodedRequest:
         """Mooncake: reserve the slot, have every encoder write its part there, view it."""
         described = [state.described for state in req.parts]
         layouts, nbytes = plan_layout(described)  # type: ignore[arg-type]
@@ -378,13 +327,13 @@ class EncoderClient:
                               self._reports(req))
 
     @staticmethod
-    def _reports(req: _LiveRequest) -> tuple[PartReport, ...]:
+    def _reports(req: LiveRequest) -> tuple[PartReport, ...]:
         return tuple(PartReport(st.part.part_idx, st.part.modality, st.encoder_url,
                                 st.part.item_indices, st.finished - st.started)
                      for st in req.parts)
 
     # ---- one part -------------------------------------------------------------
-    async def _run_part(self, req: _LiveRequest, state: _PartState) -> None:
+    async def _run_part(self, req: LiveRequest, state: PartState) -> None:
         staged = False
         try:
             state.started = trio.current_time()
@@ -418,7 +367,7 @@ class EncoderClient:
             if not staged:
                 self._settle(state)
 
-    async def _send_part(self, req: _LiveRequest, state: _PartState, session: str,
+    async def _send_part(self, req: LiveRequest, state: PartState, session: str,
                          address: int) -> None:
         """Mooncake: POST /send; its 200 answer means the bytes are at ``address``."""
         part = state.part
@@ -443,7 +392,7 @@ class EncoderClient:
         finally:
             self._settle(state)
 
-    async def _post(self, req: _LiveRequest, state: _PartState) -> httpx.Response:
+    async def _post(self, req: LiveRequest, state: PartState) -> httpx.Response:
         """POST /encode, its 200 answer; on a connect error move the part to another encoder."""
         part, http = state.part, self._require_open()
         deliver = {"backend": self.config.transfer_backend}
@@ -474,7 +423,7 @@ class EncoderClient:
                 raise http_error(response, req.req_id, state.encoder_url, part.part_idx)
             return response
 
-    def _move(self, state: _PartState, fallback: str | None, exc: Exception) -> None:
+    def _move(self, state: PartState, fallback: str | None, exc: Exception) -> None:
         if fallback is None:
             raise PeerUnavailable(
                 f"no encoder reachable for part {state.part.part_idx}: {state.encoder_url}:"
@@ -487,7 +436,7 @@ class EncoderClient:
         self._counts["retries"] += 1
 
     # ---- clean-up ---------------------------------------------------------------
-    async def _abort_unanswered(self, req: _LiveRequest) -> None:
+    async def _abort_unanswered(self, req: LiveRequest) -> None:
         """Tell encoders to drop the parts they may still work on (best effort)."""
         targets = [s for s in req.parts if s.posted and not s.answered]
         if not targets or self._http is None:
@@ -498,7 +447,7 @@ class EncoderClient:
                 for state in targets:
                     nursery.start_soon(self._abort_one, self._http, req.req_id, state)
 
-    async def _abort_one(self, http: httpx.AsyncClient, req_id: str, state: _PartState) -> None:
+    async def _abort_one(self, http: httpx.AsyncClient, req_id: str, state: PartState) -> None:
         body = {"req_id": req_id, "part_idx": state.part.part_idx}
         try:
             response = await http.post(f"{state.encoder_url}/abort", json=body)

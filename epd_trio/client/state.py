@@ -1,0 +1,73 @@
+"""The client's bookkeeping: a live request, its parts, and the statistics they add up to.
+
+Plain data owned by ``EncoderClient``; kept apart so the client module holds
+only the behaviour.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import trio
+
+from epd_trio.client.pool import PoolStatistics, Slot
+from epd_trio.client.result import ReceivedPart
+from epd_trio.client.routing import Part
+from epd_trio.errors import EPDError
+from epd_trio.protocol.messages import EmbeddingHeader
+from epd_trio.transport.mooncake import MooncakeStatistics
+
+__all__ = ["ClientStatistics", "LiveRequest", "PartState"]
+
+
+@dataclass(frozen=True)
+class ClientStatistics:
+    encoders: tuple[str, ...]
+    outstanding: Mapping[str, int]  # parts in flight per encoder
+    requests_live: int
+    parts_live: int  # parts registered with the demultiplexer
+    requests_done: int
+    requests_failed: int
+    retries: int  # parts moved to another encoder after a connect error
+    messages_received: int
+    messages_dropped: int  # for no live part (late, duplicate or unknown)
+    malformed_messages: int  # dropped by the PULL receiver
+    aborts_sent: int
+    aborts_failed: int
+    refresh_failures: int  # registry queries that failed (the last list was kept)
+    pool: PoolStatistics
+    mooncake: MooncakeStatistics | None  # the transfer engine, with transfer_backend="mooncake"
+
+
+@dataclass(eq=False)
+class PartState:
+    part: Part
+    encoder_url: str  # where it is (or was last) posted; differs from the plan after a retry
+    arrived: trio.Event = dataclasses.field(default_factory=trio.Event)
+    message: tuple[EmbeddingHeader, torch.Tensor | None] | None = None
+    described: ReceivedPart | None = None  # Mooncake: its checked shape, from the /encode answer
+    posted: bool = False  # an /encode may have reached encoder_url
+    answered: bool = False  # the encoder is done with it: an error, a ZMQ /encode answer or
+    # a Mooncake /send answer (a Mooncake /encode answer leaves it staged, waiting for /send)
+    settled: bool = False  # no longer counted as outstanding
+    started: float = 0.0  # trio.current_time() of the first post
+    finished: float = 0.0  # when its embedding arrived
+
+
+@dataclass(eq=False)
+class LiveRequest:
+    req_id: str
+    wire: dict[str, list[str]]
+    parts: list[PartState]
+    scope: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope)
+    failure: EPDError | None = None
+    slot: Slot | None = None  # the request's until its result takes it
+
+    def fail(self, exc: EPDError) -> None:
+        """The first failure wins and cancels everything the request still does."""
+        if self.failure is None:
+            self.failure = exc
+        self.scope.cancel()
