@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import trio
 
-from epd_trio.errors import EncodeError, EPDError, TransportError
+from epd_trio.errors import EncodeError, TransportError
 
 __all__ = [
     "AppRouter",
@@ -200,11 +200,6 @@ def assert_quiescent(owners: Mapping[str, Any], idle: Mapping[str, int] | None =
     problems = quiescence_problems(owners, idle)
     if problems:
         raise NotQuiescent("not quiescent: " + "; ".join(problems))
-
-
-def is_typed(exc: BaseException) -> bool:
-    """What a chaos scenario accepts from a caller: a typed error of the tree."""
-    return isinstance(exc, EPDError)
 
 
 class AppRouter(httpx.AsyncBaseTransport):

@@ -6,8 +6,10 @@ import base64
 import dataclasses
 import io
 import os
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -16,6 +18,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import httpx
 import numpy as np
 import pytest
+import trio
 from PIL import Image
 
 from epd_trio.config import EncoderConfig, EngineConfig
@@ -89,3 +92,27 @@ def encoder(qwen25_path: str) -> Callable[..., Any]:
 def encoder_for(checkpoints: dict[str, str]) -> Callable[..., Any]:
     """``async with encoder_for("qwen2_audio", **overrides) as (server, http)``: any TEST_SPECS family."""
     return lambda arch, **kw: running(checkpoints[arch], **kw)
+
+
+# ---- `epd-trio` subprocesses, as an operator runs them ----------------------------
+@contextmanager
+def spawn(*args: str) -> Iterator[subprocess.Popen[str]]:
+    env = {**os.environ, "EPD_LOG_LEVEL": "WARNING"}
+    proc = subprocess.Popen([sys.executable, "-m", "epd_trio.cli", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+async def listening_url(proc: subprocess.Popen[str]) -> str:
+    with trio.fail_after(120):
+        line = await trio.to_thread.run_sync(proc.stdout.readline)  # type: ignore[union-attr]
+    assert "listening on http://" in line, line + proc.stderr.read()  # type: ignore[union-attr]
+    return line.rsplit(" ", 1)[1].strip()

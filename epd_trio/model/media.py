@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import os
 from contextlib import aclosing
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -251,7 +250,3 @@ def _check_pixels(size: tuple[int, int], index: int, limits: MediaLimits) -> Non
             f"item {index}: image is {width}x{height} = {width * height} pixels, over the cap of "
             f"{limits.max_image_pixels}"
         )
-
-
-def media_root_from(value: str | os.PathLike[str] | None) -> Path | None:
-    return Path(value) if value else None

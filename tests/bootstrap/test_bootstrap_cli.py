@@ -2,42 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import httpx
 import pytest
 import trio
 
+from conftest import listening_url, spawn
 from epd_trio.cli import build_parser, main
 from epd_trio.config import BootstrapConfig, EncoderConfig, config_from_args
-
-
-@contextmanager
-def spawn(*args: str) -> Iterator[subprocess.Popen[str]]:
-    env = {**os.environ, "EPD_LOG_LEVEL": "WARNING"}
-    proc = subprocess.Popen([sys.executable, "-m", "epd_trio.cli", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
-
-
-async def listening_url(proc: subprocess.Popen[str]) -> str:
-    with trio.fail_after(120):
-        line = await trio.to_thread.run_sync(proc.stdout.readline)  # type: ignore[union-attr]
-    assert "listening on http://" in line, line + proc.stderr.read()  # type: ignore[union-attr]
-    return line.rsplit(" ", 1)[1].strip()
 
 
 async def listed(http: httpx.AsyncClient) -> list[str]:

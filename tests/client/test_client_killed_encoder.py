@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 
 import httpx
 import pytest
 import trio
 
-from conftest import png_bytes
+from conftest import listening_url, png_bytes, spawn
 from epd_trio import PeerUnavailable, open_encoder_client
 
 
 async def test_encoder_killed_mid_request(qwen25_path: str) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "epd_trio.cli", "encoder", "--port", "0", "--model-path", qwen25_path,
-         "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        env={**os.environ, "GLOG_minloglevel": "2"})
-    try:
-        line = await trio.to_thread.run_sync(proc.stdout.readline)  # type: ignore[union-attr]
-        url = line.rsplit(" ", 1)[1].strip()
+    with spawn("encoder", "--port", "0", "--model-path", qwen25_path) as proc:
+        url = await listening_url(proc)
         images = [png_bytes(1000, 1000, seed=i) for i in range(6)]  # keeps the encoder busy a while
         async with open_encoder_client(encoder_urls=[url], timeout=60) as client, \
                 httpx.AsyncClient(base_url=url) as http, trio.open_nursery() as nursery:
@@ -40,9 +31,3 @@ async def test_encoder_killed_mid_request(qwen25_path: str) -> None:
             stats = client.statistics()
         assert (stats.requests_live, stats.parts_live, stats.pool.used_bytes) == (0, 0, 0)
         assert sum(stats.outstanding.values()) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
