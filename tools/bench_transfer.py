@@ -11,9 +11,15 @@ For each size (MiB: 1, 4, 16, 64, 256, 512; ``--quick``: up to 64) one bfloat16
   ``recv_into`` a preallocated buffer in another — the reference the others
   are compared with (the ``x raw`` columns);
 * ``zmq tcp`` / ``zmq ipc``: the encoder's ZMQ path: ``header_for`` +
-  ``encode_zmq_message`` sent by a ``PushSocketCache`` to a ``PullReceiver``
-  (trio, zero-copy frames), decoded to a tensor over the received frame. The
-  client then copies it into its pool once more (one memcpy, not timed here);
+  ``encode_zmq_message`` (1 MiB payload frames) sent by a ``PushSocketCache`` to
+  a ``PullReceiver`` (trio, zero-copy frames), received as a ``Payload`` whose
+  frames are still where libzmq put them;
+* ``zmq tcp 1 frame``: the same with the whole tensor in one frame (how every
+  message was sent before payload frames): libzmq then ``malloc``s a block
+  above glibc's mmap threshold per message, and pays the ``fresh buffer`` cost;
+* ``zmq tcp + copy``: ``zmq tcp`` plus ``Payload.copy_into`` a preallocated
+  destination — the whole client path to its pool slot, comparable with
+  ``raw tcp`` and ``mooncake tcp``, which land in the destination too;
 * ``mooncake tcp``: ``MooncakeTransport.write`` from a registered source to a
   second engine's registered destination (two engines, loopback TCP): the
   bytes land where the receiver wants them. The first transfer to a peer
@@ -72,6 +78,7 @@ import trio  # noqa: E402
 
 from epd_trio.errors import TransportError  # noqa: E402
 from epd_trio.protocol.codec import encode_zmq_message, header_for  # noqa: E402
+from epd_trio.protocol.payload import PAYLOAD_FRAME_BYTES  # noqa: E402
 from epd_trio.transport.mooncake import MooncakeTransport, open_mooncake  # noqa: E402
 from epd_trio.transport.zmq import PullReceiver, PushSocketCache  # noqa: E402
 
@@ -80,7 +87,9 @@ DIM = 2048  # bfloat16 [tokens, 2048]: every MiB size is a whole number of rows
 FULL_SIZES = (1, 4, 16, 64, 256, 512)
 QUICK_SIZES = (1, 4, 16, 64)
 REFERENCE = "raw tcp"
-INTO_DST = frozenset({"memcpy", REFERENCE, "mooncake tcp"})  # the zmq ones land in a frame
+ZMQ_ONE_FRAME = "zmq tcp 1 frame"  # protocol v1 before payload frames: the old way, side by side
+ZMQ_TO_DST = "zmq tcp + copy"  # what the client does: receive, then copy into its pool slot
+INTO_DST = frozenset({"memcpy", REFERENCE, "mooncake tcp", ZMQ_TO_DST})  # others stay in frames
 NOT_TRANSFERS = frozenset({"memcpy", "fresh buffer", REFERENCE})  # no "x raw" ratio
 
 Once = Callable[[int], Awaitable[None]]  # one timed run on n bytes (most move src[:n] to dst)
@@ -90,10 +99,10 @@ def embedding(buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
     return buffer[:nbytes].view(torch.bfloat16).view(-1, DIM)
 
 
-def zmq_frames(tensor: torch.Tensor) -> list:
+def zmq_frames(tensor: torch.Tensor, frame_bytes: int = PAYLOAD_FRAME_BYTES) -> list:
     header = header_for(tensor, req_id="bench", part_idx=0, num_parts=1, modality="image",
                         token_counts=[tensor.shape[0]])
-    return encode_zmq_message(header, tensor)
+    return encode_zmq_message(header, tensor, frame_bytes=frame_bytes)
 
 
 # ---- the methods ------------------------------------------------------------------
@@ -143,17 +152,21 @@ class RawSocket:
         self.rx.close()
 
 
-async def zmq_method(stack: AsyncExitStack, bind: str, src: torch.Tensor) -> Once:
+async def zmq_method(stack: AsyncExitStack, bind: str, src: torch.Tensor, *,
+                     dst: torch.Tensor | None = None, one_frame: bool = False) -> Once:
+    """Send an embedding and receive it; with ``dst``, also copy it there (the pool copy)."""
     pull = await stack.enter_async_context(PullReceiver(bind))
     push = await stack.enter_async_context(PushSocketCache())
     endpoint = pull.last_endpoint
 
     async def once(n: int) -> None:
-        frames = zmq_frames(embedding(src, n))
+        frames = zmq_frames(embedding(src, n), frame_bytes=n if one_frame else PAYLOAD_FRAME_BYTES)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(push.send, endpoint, frames, 60.0)
-            _, tensor = await pull.receive()
-        assert tensor is not None and tensor.numel() * 2 == n
+            _, payload = await pull.receive()
+        assert payload is not None and payload.nbytes == n
+        if dst is not None:
+            payload.copy_into(embedding(dst, n))
     return once
 
 
@@ -347,6 +360,8 @@ async def run(args: argparse.Namespace) -> None:
         methods: dict[str, Once] = {"memcpy": memcpy_method(src, dst), "fresh buffer": fresh_buffer,
                                     REFERENCE: raw.once}
         methods["zmq tcp"] = await zmq_method(stack, "tcp://127.0.0.1:0", src)
+        methods[ZMQ_ONE_FRAME] = await zmq_method(stack, "tcp://127.0.0.1:0", src, one_frame=True)
+        methods[ZMQ_TO_DST] = await zmq_method(stack, "tcp://127.0.0.1:0", src, dst=dst)
         ipc_dir = stack.enter_context(tempfile.TemporaryDirectory())
         methods["zmq ipc"] = await zmq_method(stack, f"ipc://{ipc_dir}/bench.sock", src)
         mooncake = not args.skip_mooncake
@@ -360,7 +375,7 @@ async def run(args: argparse.Namespace) -> None:
         gbps = await measure(methods, sizes, repeat, dst, src)
     print()
     print(table(gbps, sizes))
-    for name in ("zmq tcp", "zmq ipc", "mooncake tcp"):
+    for name in ("zmq tcp", ZMQ_ONE_FRAME, ZMQ_TO_DST, "zmq ipc", "mooncake tcp"):
         if name in gbps:
             ratios = [gbps[name][s] / gbps[REFERENCE][s] for s in sizes]
             print(f"{name}: ratio to the raw socket min {min(ratios):.2f}, median"

@@ -21,6 +21,7 @@ from epd_trio.protocol.messages import (
     validate_extras,
 )
 from epd_trio.protocol.codec import decode_safetensors, header_for
+from epd_trio.protocol.payload import Payload
 from epd_trio.protocol.requests import EncodeMeta
 
 __all__ = [
@@ -157,8 +158,8 @@ def check_sent(response: httpx.Response, req_id: str, part_idx: int, nbytes: int
 
 
 def inline_message(response: httpx.Response, req_id: str, part: Any, num_parts: int,
-                   encoder_url: str) -> tuple[EmbeddingHeader, Any]:
-    """An inline (safetensors) answer as the same (header, tensor) a ZMQ message gives."""
+                   encoder_url: str) -> tuple[EmbeddingHeader, Payload]:
+    """An inline (safetensors) answer as the same (header, payload) a ZMQ message gives."""
     tensor, meta = decode_safetensors(response.content)
     where = f"{encoder_url} part {part.part_idx}"
     if (meta.get("req_id"), meta.get("part_idx"), meta.get("num_parts")) != (req_id, part.part_idx, num_parts):
@@ -168,4 +169,4 @@ def inline_message(response: httpx.Response, req_id: str, part: Any, num_parts: 
     header = header_for(tensor, req_id=req_id, part_idx=part.part_idx, num_parts=num_parts,
                         modality=part.modality, token_counts=meta["token_counts"],
                         grid_thw=meta.get("grid_thw", ()), extras=meta.get("extras"))
-    return header, tensor
+    return header, Payload.of(tensor)

@@ -462,7 +462,7 @@ class EncoderClient:
     # ---- the demultiplexer ----------------------------------------------------
     async def _demux(self, pull: PullReceiver) -> None:
         """Hand each message to its part at once, so the socket never backs up."""
-        async for header, tensor in pull:
+        async for header, payload in pull:
             self._counts["messages_received"] += 1
             if self.faults is not None and not await self._demux_fault():
                 continue
@@ -472,7 +472,7 @@ class EncoderClient:
                 log.debug("dropped a message for %s part %d: no part waits for it",
                           header.req_id, header.part_idx)
                 continue
-            state.message = (header, tensor)
+            state.message = (header, payload)
             if header.kind == "error":
                 state.answered = True  # the encoder is done with it
                 self._requests[header.req_id].fail(zmq_error(header, state.encoder_url))

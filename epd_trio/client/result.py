@@ -23,6 +23,7 @@ from epd_trio.client.routing import Part
 from epd_trio.errors import ProtocolError
 from epd_trio.protocol.codec import TORCH_DTYPES
 from epd_trio.protocol.messages import DTYPE_ITEMSIZE, EmbeddingHeader
+from epd_trio.protocol.payload import Payload
 from epd_trio.protocol.requests import EncodeMeta
 
 __all__ = [
@@ -41,8 +42,8 @@ __all__ = [
 class ReceivedPart:
     """A part as its encoder described it (checked), with its bytes when they came apart.
 
-    ``tensor`` aliases a ZMQ frame until copied; it is None for a Mooncake part,
-    whose bytes the encoder writes into the slot itself.
+    ``payload`` aliases the received ZMQ frames (or inline body) until copied;
+    it is None for a Mooncake part, whose bytes the encoder writes into the slot.
     """
 
     part: Part
@@ -51,14 +52,14 @@ class ReceivedPart:
     dim: int
     token_counts: tuple[int, ...]
     grid_thw: tuple[tuple[int, ...], ...]
-    tensor: torch.Tensor | None = None
+    payload: Payload | None = None
     # Per-item values for the language side (name → one value per item of this part).
     extras: Mapping[str, Sequence[Any]] = field(default_factory=dict)
 
     @classmethod
-    def from_message(cls, part: Part, header: EmbeddingHeader, tensor: torch.Tensor) -> ReceivedPart:
+    def from_message(cls, part: Part, header: EmbeddingHeader, payload: Payload) -> ReceivedPart:
         return cls(part, header.dtype, header.shape[0], header.shape[1], tuple(header.token_counts),
-                   tuple(tuple(g) for g in header.grid_thw), tensor, header.extras)
+                   tuple(tuple(g) for g in header.grid_thw), payload, header.extras)
 
     @classmethod
     def from_meta(cls, part: Part, meta: EncodeMeta) -> ReceivedPart:
@@ -128,13 +129,13 @@ def slot_views(slot: Slot, layouts: Sequence[ModalityLayout]) -> dict[str, torch
 
 
 def copy_parts(slot: Slot, layouts: Sequence[ModalityLayout]) -> dict[str, torch.Tensor]:
-    """Copy every part's tensor into ``slot``; the per-modality tensors over it (blocking)."""
+    """Copy every part's payload into ``slot``; the per-modality tensors over it (blocking)."""
     out = slot_views(slot, layouts)
     for layout in layouts:
         dest, row = out[layout.modality], 0
         for r in layout.parts:
-            assert r.tensor is not None, "copy_parts needs the parts' tensors"
-            dest[row:row + r.tokens].copy_(r.tensor)
+            assert r.payload is not None, "copy_parts needs the parts' payloads"
+            r.payload.copy_into(dest[row:row + r.tokens])
             row += r.tokens
     return out
 

@@ -10,7 +10,6 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch
 import trio
 
 from epd_trio.client.pool import PoolStatistics, Slot
@@ -18,6 +17,7 @@ from epd_trio.client.result import ReceivedPart
 from epd_trio.client.routing import Part
 from epd_trio.errors import EPDError
 from epd_trio.protocol.messages import EmbeddingHeader
+from epd_trio.protocol.payload import Payload
 from epd_trio.transport.mooncake import MooncakeStatistics
 
 __all__ = ["ClientStatistics", "LiveRequest", "PartState"]
@@ -47,7 +47,7 @@ class PartState:
     part: Part
     encoder_url: str  # where it is (or was last) posted; differs from the plan after a retry
     arrived: trio.Event = dataclasses.field(default_factory=trio.Event)
-    message: tuple[EmbeddingHeader, torch.Tensor | None] | None = None
+    message: tuple[EmbeddingHeader, Payload | None] | None = None
     described: ReceivedPart | None = None  # Mooncake: its checked shape, from the /encode answer
     posted: bool = False  # an /encode may have reached encoder_url
     answered: bool = False  # the encoder is done with it: an error, a ZMQ /encode answer or

@@ -13,6 +13,7 @@ from epd_trio.protocol.codec import (
     header_for,
     tensor_bytes,
 )
+from epd_trio.protocol.payload import PAYLOAD_FRAME_BYTES, Payload
 from epd_trio.protocol.messages import (
     DTYPES,
     MODALITIES,
@@ -28,6 +29,8 @@ __all__ = [
     "EmbeddingHeader",
     "ErrorInfo",
     "MODALITIES",
+    "PAYLOAD_FRAME_BYTES",
+    "Payload",
     "PROTOCOL_VERSION",
     "decode_safetensors",
     "decode_zmq_message",

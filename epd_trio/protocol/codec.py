@@ -2,8 +2,8 @@
 
 Sans-IO. Decoding validates every header field before anything is sized from
 it, never unpickles, and turns any malformed input into ``ProtocolError``.
-Encoding avoids copies: frame 1 is a view of the tensor's own memory, and
-decoding wraps the received frame with ``torch.frombuffer``.
+Encoding avoids copies: the tensor frames are views of the tensor's own memory,
+and decoding keeps the received frames as a ``Payload``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from epd_trio.protocol.messages import (
     header_from_map,
     header_to_map,
 )
+from epd_trio.protocol.payload import PAYLOAD_FRAME_BYTES, Payload, split_frames, tensor_bytes
 
 __all__ = [
     "FrameLike",
@@ -104,21 +105,13 @@ def header_for(
     )
 
 
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """A flat byte view of ``tensor``'s memory (copied only if not contiguous CPU).
+def encode_zmq_message(header: EmbeddingHeader, tensor: torch.Tensor | None, *,
+                       frame_bytes: int = PAYLOAD_FRAME_BYTES) -> list[FrameLike]:
+    """Frames for ``send_multipart``: [msgpack header] or [header, *tensor bytes].
 
-    Viewing as uint8 sidesteps bfloat16 having no numpy dtype. The memoryview
-    keeps the tensor alive; its bytes must not change until the send is done.
+    The tensor bytes are views of its memory, ``frame_bytes`` each (see
+    ``epd_trio.protocol.payload`` for why not one frame).
     """
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy().data
-
-
-def encode_zmq_message(header: EmbeddingHeader, tensor: torch.Tensor | None) -> list[FrameLike]:
-    """Frames for ``send_multipart``: [msgpack header] or [header, tensor bytes]."""
     head = msgpack.packb(header_to_map(header), use_bin_type=True)
     if header.kind == "error":
         if tensor is not None:
@@ -131,7 +124,7 @@ def encode_zmq_message(header: EmbeddingHeader, tensor: torch.Tensor | None) -> 
             f"tensor {tensor.dtype} {tuple(tensor.shape)} does not match the header"
             f" {header.dtype} {header.shape}"
         )
-    return [head, tensor_bytes(tensor)]
+    return [head, *split_frames(tensor_bytes(tensor), frame_bytes)]
 
 
 def error_message(
@@ -160,28 +153,24 @@ def error_message(
     return encode_zmq_message(header, None)
 
 
-def decode_zmq_message(frames: Sequence[FrameLike]) -> tuple[EmbeddingHeader, torch.Tensor | None]:
+def decode_zmq_message(frames: Sequence[FrameLike]) -> tuple[EmbeddingHeader, Payload | None]:
     """Parse a received multipart message; ``ProtocolError`` for anything malformed.
 
-    The tensor shares memory with frame 1 when that buffer is writable (zmq
-    frames are); a read-only buffer (``bytes``) is copied once, because torch
-    has no read-only tensors.
+    The payload keeps the received frames (no copy): frames 1..N in order hold
+    the tensor's bytes; v1 senders that send one tensor frame are read alike.
     """
-    if not 1 <= len(frames) <= 2:
-        raise ProtocolError(f"expected 1 or 2 frames, got {len(frames)}")
+    if not frames:
+        raise ProtocolError("an empty message")
     header = header_from_map(_unpack(_flat(frames[0])))
     if header.kind == "error":
         if len(frames) != 1:
             raise ProtocolError("an error message must have no tensor frame")
         return header, None
-    if len(frames) != 2:
+    if len(frames) < 2:
         raise ProtocolError("an embedding message needs a tensor frame")
-    payload = _flat(frames[1])
-    if payload.nbytes != header.nbytes:
-        raise ProtocolError(
-            f"tensor frame has {payload.nbytes} bytes, header says {header.nbytes}"
-        )
-    return header, _tensor_over(payload, header)
+    payload = Payload.gather([_flat(f) for f in frames[1:]], TORCH_DTYPES[header.dtype],
+                             header.shape)
+    return header, payload
 
 
 def encode_safetensors(embedding: torch.Tensor, metadata: Mapping[str, Any]) -> bytes:
@@ -242,15 +231,6 @@ def _unpack(raw: memoryview) -> object:
         return msgpack.unpackb(raw, raw=False, strict_map_key=True, **_UNPACK_LIMITS)
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise ProtocolError(f"header is not valid msgpack: {exc}") from None
-
-
-def _tensor_over(payload: memoryview, header: EmbeddingHeader) -> torch.Tensor:
-    dtype = TORCH_DTYPES[header.dtype]
-    if payload.nbytes == 0:  # frombuffer refuses empty buffers
-        return torch.empty(header.shape, dtype=dtype)
-    if payload.readonly:
-        payload = memoryview(bytearray(payload))
-    return torch.frombuffer(payload, dtype=dtype).view(header.shape)
 
 
 def _safetensors_header(data: bytes) -> tuple[str, object, dict[str, Any]]:

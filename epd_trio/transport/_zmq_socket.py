@@ -16,6 +16,7 @@ import zmq
 
 from epd_trio.errors import TransferTimeout
 from epd_trio.protocol.codec import FrameLike
+from epd_trio.transport._poll import poll_until
 
 __all__ = ["TrioSocket"]
 
@@ -55,7 +56,8 @@ class TrioSocket:
         if not frames:
             raise ValueError("a ZMQ message has at least one frame")
         with trio.move_on_after(timeout):
-            await _until_done(await self._send_nowait_loop(frames))
+            tracker = await self._send_nowait_loop(frames)
+            await poll_until(lambda: tracker.done, max_pause=_TRACKER_POLL_MAX)
             return
         raise TransferTimeout(f"ZMQ send not done within {timeout:g} s")
 
@@ -170,11 +172,3 @@ class TrioSocket:
 def _untracked(frame: FrameLike) -> FrameLike:
     """A received ``zmq.Frame`` can't be sent tracked; its buffer (no copy) can."""
     return frame.buffer if isinstance(frame, zmq.Frame) else frame
-
-
-async def _until_done(tracker: zmq.MessageTracker) -> None:
-    """Poll the tracker: ``tracker.wait()`` would block the whole trio thread."""
-    delay = 0.0001
-    while not tracker.done:
-        await trio.sleep(delay)
-        delay = min(delay * 2, _TRACKER_POLL_MAX)

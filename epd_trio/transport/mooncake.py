@@ -26,6 +26,7 @@ from typing import Any
 import trio
 
 from epd_trio.errors import PeerUnavailable, TransferTimeout, TransportError
+from epd_trio.transport._poll import poll_until
 
 __all__ = ["MooncakeStatistics", "MooncakeTransport", "Registration", "open_mooncake"]
 
@@ -35,7 +36,7 @@ INSTALL_HINT = ("the Mooncake transfer engine is not installed: pip install 'epd
                 "on CUDA hosts, or 'epd-trio[mooncake-cpu]' (plus Debian's libibverbs1) elsewhere")
 
 _PENDING, _DONE = 0, 1
-_POLL_MIN, _POLL_MAX = 0.0005, 0.02
+_POLL_MAX = 0.02  # seconds between looks at a long write
 # An abandoned write is waited for this long (so its caller answers only once no
 # byte can still land); after that the reaper keeps its source alive, up to
 # _REAP_LIMIT, before giving up on the engine and logging the leak.
@@ -143,10 +144,14 @@ class MooncakeTransport:
         self._bytes += nbytes
 
     async def _poll(self, batch: int) -> int:
-        delay = _POLL_MIN
-        while (status := self._engine.transfer_check_status(batch)) == _PENDING:
-            await trio.sleep(delay)
-            delay = min(delay * 2, _POLL_MAX)
+        status = _PENDING
+
+        def done() -> bool:
+            nonlocal status
+            status = self._engine.transfer_check_status(batch)
+            return bool(status != _PENDING)
+
+        await poll_until(done, max_pause=_POLL_MAX)
         return int(status)
 
     async def _settle(self, batch: int, local: int, keepalive: object) -> None:

@@ -15,12 +15,11 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from types import TracebackType
 
-import torch
 import trio
 import zmq
 
 from epd_trio.errors import ProtocolError, RequestError, TransferTimeout, TransportError
-from epd_trio.protocol import EmbeddingHeader, decode_zmq_message
+from epd_trio.protocol import EmbeddingHeader, Payload, decode_zmq_message
 from epd_trio.protocol.codec import FrameLike
 from epd_trio.protocol.requests import validate_endpoint
 from epd_trio.transport._zmq_socket import TrioSocket
@@ -251,8 +250,8 @@ class PullReceiver:
             self._ctx = None
         await trio.lowlevel.checkpoint()
 
-    async def receive(self) -> tuple[EmbeddingHeader, torch.Tensor | None]:
-        """The next well-formed message (header, tensor or None for an error)."""
+    async def receive(self) -> tuple[EmbeddingHeader, Payload | None]:
+        """The next well-formed message (header, payload or None for an error)."""
         if self._sock is None:
             raise trio.ClosedResourceError("PullReceiver is not open")
         while True:
@@ -270,7 +269,7 @@ class PullReceiver:
     def __aiter__(self) -> PullReceiver:
         return self
 
-    async def __anext__(self) -> tuple[EmbeddingHeader, torch.Tensor | None]:
+    async def __anext__(self) -> tuple[EmbeddingHeader, Payload | None]:
         """Iteration ends when the receiver is closed."""
         try:
             return await self.receive()

@@ -148,7 +148,7 @@ class MessageSink:
             task_status.started(self)
             async for header, tensor in pull:
                 self.messages[header.req_id].append(
-                    (header, None if tensor is None else tensor.clone()))
+                    (header, None if tensor is None else tensor.tensor().clone()))
 
 
 class StuckReceiver:

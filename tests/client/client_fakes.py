@@ -20,6 +20,9 @@ from epd_trio.protocol import encode_zmq_message, error_message, header_for
 from epd_trio.transport import PushSocketCache
 
 DIM = 8
+# Ragged frames (rows are 16 or 32 bytes): every client test also checks that
+# a payload split across frames is gathered into the slot in order.
+FRAME_BYTES = 7
 DTYPES = {"image": torch.bfloat16, "video": torch.bfloat16, "audio": torch.float32}
 
 
@@ -111,9 +114,9 @@ class FakeEncoders:
         header = header_for(tensor, req_id=rid, part_idx=idx, num_parts=n, modality=modality,
                             token_counts=counts, grid_thw=grids)
         self.sent[(rid, idx)] = tensor
-        await self.push.send(endpoint, encode_zmq_message(header, tensor), 5)
+        await self.push.send(endpoint, encode_zmq_message(header, tensor, frame_bytes=FRAME_BYTES), 5)
         if behaviour.kind == "twice":
-            await self.push.send(endpoint, encode_zmq_message(header, tensor + 1), 5)
+            await self.push.send(endpoint, encode_zmq_message(header, tensor + 1, frame_bytes=FRAME_BYTES), 5)
             await trio.sleep(0.05)  # the duplicate most likely arrives while the part is live
         tokens = tensor.shape[0] + (1 if behaviour.kind == "bad_meta" else 0)
         return httpx.Response(200, json={

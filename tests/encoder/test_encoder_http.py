@@ -51,7 +51,9 @@ async def test_inline_and_zmq_equal_the_engine_and_transformers(encoder: Any, qw
         r = await http.post("/encode", json=zmq_body)
         assert r.status_code == 200, r.text
         info = r.json()
-        header, pushed = await pull.receive()
+        header, payload = await pull.receive()
+        assert payload is not None
+        pushed = payload.tensor()
         local = await server.service.engine.encode([image])
     assert header.req_id == "r2" and header.kind == "embedding"
     assert info["tokens"] == pushed.shape[0] == sum(info["token_counts"]) and info["dim"] == pushed.shape[1]

@@ -40,7 +40,9 @@ async def test_video_extras_reach_inline_and_zmq_receivers(encoder_for: Any) -> 
             "backend": "zmq", "endpoint": pull.last_endpoint}))
         assert r.status_code == 200, r.text
         answer = r.json()
-        header, pushed = await pull.receive()
+        header, payload = await pull.receive()
+        assert payload is not None
+        pushed = payload.tensor()
         local = await server.service.engine.encode([VIDEO_A, VIDEO_B], "video")
     extras = local.extras
     assert set(extras) == {"second_per_grid_ts"} and len(set(extras["second_per_grid_ts"])) == 2
@@ -70,7 +72,9 @@ async def test_qwen3_vl_reports_its_deepstack_layout_and_timestamps(encoder_for:
         r = await http.post("/encode", json=body("v", "video", [uri(VIDEO_A, "video/mp4")], deliver={
             "backend": "zmq", "endpoint": pull.last_endpoint}))
         assert r.status_code == 200, r.text
-        header, pushed = await pull.receive()
+        header, payload = await pull.receive()
+        assert payload is not None
+        pushed = payload.tensor()
         local = await server.service.engine.encode([VIDEO_A], "video")
     assert info["model_type"] == "qwen3_vl" and info["dim"] == 3 * 40 == pushed.shape[1]
     assert info["embedding_layout"] == [{"name": "embedding", "width": 40},
@@ -91,7 +95,9 @@ async def test_qwen2_audio_probes_with_audio_and_encodes_over_zmq(encoder_for: A
                                                  deliver={"backend": "zmq", "endpoint": pull.last_endpoint}))
         assert r.status_code == 200, r.text
         answer = r.json()
-        header, pushed = await pull.receive()
+        header, payload = await pull.receive()
+        assert payload is not None
+        pushed = payload.tensor()
         local = await server.service.engine.encode(tones, "audio")
         image = await http.post("/encode", json=body("i", "image", [uri(png_bytes(56, 56), "image/png")]))
         stats = (await http.get("/stats")).json()

@@ -25,6 +25,7 @@ from epd_trio.protocol import (
     header_for,
     header_to_map,
 )
+from epd_trio.protocol.payload import MAX_PAYLOAD_FRAMES, Payload, split_frames
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -67,7 +68,7 @@ def test_zmq_round_trip_is_bit_exact(dtype: torch.dtype) -> None:
     got_header, got = decode_zmq_message([bytes(f) for f in frames])
     assert got_header == header
     assert got is not None and got.dtype == dtype and got.shape == (37, 24)
-    assert torch.equal(bits(got), bits(t))
+    assert torch.equal(bits(got.tensor()), bits(t))
 
 
 def test_encode_shares_the_tensor_memory() -> None:
@@ -83,27 +84,62 @@ def test_decode_is_zero_copy_over_a_writable_frame() -> None:
     buffer = bytearray(memoryview(payload))
     _, got = decode_zmq_message([head, buffer])
     buffer[0:4] = b"\0\0\0\0"
-    assert got is not None and got[0, 0].item() == 0.0
+    assert got is not None and got.tensor()[0, 0].item() == 0.0
 
 
 def test_decode_copies_a_read_only_frame_without_warning() -> None:
     t = random_bits((4, 8), torch.float32)
     head, payload = encode_zmq_message(image_header(t), t)
     _, got = decode_zmq_message([head, bytes(payload)])  # filterwarnings=error
-    assert got is not None and torch.equal(bits(got), bits(t))
+    assert got is not None and torch.equal(bits(got.tensor()), bits(t))
+
+
+@pytest.mark.parametrize("frame_bytes", [1, 100, 3552, 4096])
+def test_a_tensor_split_into_frames_round_trips(frame_bytes: int) -> None:
+    t = random_bits((37, 24), torch.float32, seed=5)  # 3552 bytes
+    frames = encode_zmq_message(image_header(t), t, frame_bytes=frame_bytes)
+    assert len(frames) == 1 + -(-3552 // frame_bytes)
+    assert all(memoryview(f).nbytes <= frame_bytes for f in frames[1:])
+    _, got = decode_zmq_message([bytes(f) for f in frames])  # read-only frames: no warning
+    assert got is not None and got.nbytes == 3552
+    assert torch.equal(bits(got.tensor()), bits(t))
+    dest = torch.full((37, 24), 7.0)
+    got.copy_into(dest)
+    assert torch.equal(bits(dest), bits(t))
+
+
+def test_the_frames_are_views_of_the_tensor() -> None:
+    t = torch.zeros(64, 1024, dtype=torch.bfloat16)  # 128 KiB
+    frames = encode_zmq_message(image_header(t), t, frame_bytes=1 << 16)
+    t[-1, -1] = 1.0
+    assert len(frames) == 3 and bytes(memoryview(frames[2])[-2:]) == bits(t[-1, -1:]).numpy().tobytes()
+
+
+def test_a_payload_copies_only_into_its_own_shape() -> None:
+    payload = Payload.of(torch.ones(4, 8))
+    for dest in (torch.empty(4, 8, dtype=torch.float16), torch.empty(8, 4),
+                 torch.empty(8, 4).t()):
+        with pytest.raises(ValueError, match="contiguous"):
+            payload.copy_into(dest)
+
+
+def test_split_frames_bounds_the_count() -> None:
+    assert [f.nbytes for f in split_frames(memoryview(bytes(0)))] == [0]
+    with pytest.raises(ValueError, match="exceed"):
+        split_frames(memoryview(bytes(MAX_PAYLOAD_FRAMES + 1)), 1)
 
 
 def test_non_contiguous_tensor_is_sent_in_logical_order() -> None:
     t = random_bits((6, 10), torch.float16).t()  # [10, 6], strides (1, 10)
     _, got = decode_zmq_message(encode_zmq_message(image_header(t), t))
-    assert got is not None and torch.equal(bits(got), bits(t))
+    assert got is not None and torch.equal(bits(got.tensor()), bits(t))
 
 
 def test_zero_token_embedding_round_trips() -> None:
     t = torch.empty(0, 16, dtype=torch.bfloat16)
     header = header_for(t, req_id="r", part_idx=0, num_parts=1, modality="audio", token_counts=[])
     got_header, got = decode_zmq_message(encode_zmq_message(header, t))
-    assert got_header.shape == (0, 16) and got is not None and got.shape == (0, 16)
+    assert got_header.shape == (0, 16) and got is not None and got.tensor().shape == (0, 16)
 
 
 def test_audio_has_no_grid() -> None:
@@ -232,12 +268,13 @@ def error_map(**error: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("frames", "match"),
     [
-        ([], "1 or 2 frames"),
-        ([b"", b"", b""], "1 or 2 frames"),
         (frames_of([1, 2, 3]), "must be a map"),
         (frames_of(valid_map()), "needs a tensor frame"),
         (frames_of(valid_map(), bytes(63)), "63 bytes, header says 64"),
         (frames_of(valid_map(), bytes(65)), "65 bytes, header says 64"),
+        (frames_of(valid_map(), bytes(32)) + [bytes(31)], "63 bytes, header says 64"),
+        ([msgpack.packb(valid_map())] + [b""] * (MAX_PAYLOAD_FRAMES + 1), "tensor frames"),
+        ([], "empty message"),
         (frames_of(error_map(), b""), "no tensor frame"),
         (frames_of({**error_map(), "shape": [1, 1]}), r"shape \[0, 0\]"),
         (frames_of({**error_map(), "error": None}), "must carry an error"),

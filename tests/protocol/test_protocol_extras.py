@@ -57,7 +57,7 @@ def test_zmq_round_trip_keeps_extras() -> None:
     header = video_header()
     got, tensor = decode_zmq_message([bytes(f) for f in encode_zmq_message(header, T)])
     assert got == header and got.extras == EXTRAS
-    assert tensor is not None and torch.equal(tensor, T)
+    assert tensor is not None and torch.equal(tensor.tensor(), T)
 
 
 def test_no_extras_means_no_key_so_v1_peers_are_unaffected() -> None:

@@ -90,13 +90,14 @@ async def test_16_mib_over_ipc_is_bit_exact(ipc_endpoint: str) -> None:
 
 async def _send_big_and_check(rx: PullReceiver) -> None:
     tensor, frames = embedding(4096, 2048)  # bfloat16: 16 MiB
-    assert memoryview(frames[1]).nbytes == 16 * MiB
+    assert len(frames) == 17 and sum(memoryview(f).nbytes for f in frames[1:]) == 16 * MiB
     async with PushSocketCache() as cache, trio.open_nursery() as nursery:
         with trio.fail_after(20):
             nursery.start_soon(cache.send, rx.last_endpoint, frames, 20.0)
             header, got = await rx.receive()
     assert header.shape == (4096, 2048) and got is not None
-    assert torch.equal(got.view(torch.int16), tensor.view(torch.int16))
+    assert len(got.frames) == 16  # 16 MiB in 1 MiB frames
+    assert torch.equal(got.tensor().view(torch.int16), tensor.view(torch.int16))
     assert cache.statistics().sends == 1 and rx.statistics().received == 1
 
 
@@ -159,7 +160,8 @@ async def test_many_concurrent_senders_share_one_socket(receiver: PullReceiver) 
         with trio.fail_after(20):
             for _ in range(n):
                 header, tensor = await receiver.receive()
-                got[header.req_id] = tensor
+                assert tensor is not None
+                got[header.req_id] = tensor.tensor()
         stats = cache.statistics()
     assert set(got) == set(sent)
     for req_id, (tensor, _) in sent.items():

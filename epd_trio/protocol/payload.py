@@ -1,0 +1,108 @@
+"""An embedding's bytes as they travel: cut into frames on the way out, gathered on the way in.
+
+Why frames of ``PAYLOAD_FRAME_BYTES`` rather than one frame per tensor: libzmq
+``malloc``s every received frame, and glibc serves a block above its mmap
+threshold (at most 32 MiB) with fresh pages the kernel must fault in and zero,
+for every message — slower than loopback TCP itself (``fresh buffer`` in
+``tools/bench_transfer.py``). Blocks of 1 MiB stay under the threshold after
+the first message, so the receiver's allocator hands back memory that is
+already resident. Sending cuts views of the tensor (no copy); receiving keeps
+the frames as they are until ``copy_into`` puts them where they belong — the
+one copy a receiver makes anyway (into its pool slot).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+import torch
+
+from epd_trio.errors import ProtocolError
+
+__all__ = ["MAX_PAYLOAD_FRAMES", "PAYLOAD_FRAME_BYTES", "Payload", "split_frames", "tensor_bytes"]
+
+PAYLOAD_FRAME_BYTES: Final = 1 << 20
+# 512 MiB in 1 MiB frames is 512; a peer's million one-byte frames is refused.
+MAX_PAYLOAD_FRAMES: Final = 1 << 14
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A flat byte view of ``tensor``'s memory (copied only if not contiguous CPU).
+
+    Viewing as uint8 sidesteps bfloat16 having no numpy dtype. The memoryview
+    keeps the tensor alive; its bytes must not change until the send is done.
+    """
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().data
+
+
+def split_frames(data: memoryview, frame_bytes: int = PAYLOAD_FRAME_BYTES) -> list[memoryview]:
+    """``data`` as consecutive views of at most ``frame_bytes`` (one frame when empty)."""
+    if frame_bytes < 1:
+        raise ValueError("frame_bytes must be >= 1")
+    if -(-data.nbytes // frame_bytes) > MAX_PAYLOAD_FRAMES:
+        raise ValueError(f"{data.nbytes} bytes in frames of {frame_bytes} exceed"
+                         f" {MAX_PAYLOAD_FRAMES} frames")
+    return [data[i:i + frame_bytes] for i in range(0, data.nbytes, frame_bytes)] or [data]
+
+
+@dataclass(frozen=True, eq=False)
+class Payload:
+    """A tensor's bytes in one or more buffers, in order; nothing copied yet.
+
+    The buffers alias what was received (ZMQ frames, an inline body), so a
+    ``Payload`` is consumed soon: ``copy_into`` a destination, or ``tensor()``.
+    """
+
+    dtype: torch.dtype
+    shape: tuple[int, int]
+    frames: tuple[memoryview, ...]
+
+    @classmethod
+    def gather(cls, frames: Sequence[memoryview], dtype: torch.dtype,
+               shape: tuple[int, int]) -> Payload:
+        """Check that ``frames`` hold exactly the tensor's bytes; ``ProtocolError`` if not."""
+        if not 1 <= len(frames) <= MAX_PAYLOAD_FRAMES:
+            raise ProtocolError(f"{len(frames)} tensor frames (1 to {MAX_PAYLOAD_FRAMES} allowed)")
+        payload = cls(dtype, shape, tuple(frames))
+        expected = shape[0] * shape[1] * dtype.itemsize
+        if payload.nbytes != expected:
+            raise ProtocolError(f"tensor frames have {payload.nbytes} bytes, header says {expected}")
+        return payload
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> Payload:
+        """A payload over a (CPU, contiguous, 2-D) tensor's own memory."""
+        return cls(tensor.dtype, (tensor.shape[0], tensor.shape[1]), (tensor_bytes(tensor),))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.frames)
+
+    def copy_into(self, dest: torch.Tensor) -> None:
+        """Copy the bytes into ``dest`` (contiguous, CPU, this dtype and shape); blocking."""
+        if dest.dtype != self.dtype or tuple(dest.shape) != self.shape or not dest.is_contiguous():
+            raise ValueError(f"destination {dest.dtype} {tuple(dest.shape)} is not a contiguous"
+                             f" {self.dtype} {self.shape}")
+        if self.nbytes == 0:
+            return
+        # numpy, not torch.frombuffer: a read-only buffer (bytes) copies without a warning.
+        flat = dest.reshape(-1).view(torch.uint8).numpy()
+        offset = 0
+        for frame in self.frames:
+            flat[offset:offset + frame.nbytes] = np.frombuffer(frame, dtype=np.uint8)
+            offset += frame.nbytes
+
+    def tensor(self) -> torch.Tensor:
+        """The tensor: a view of a single writable frame, else one new copy."""
+        if len(self.frames) == 1 and not self.frames[0].readonly and self.nbytes:
+            return torch.frombuffer(self.frames[0], dtype=self.dtype).view(self.shape)
+        out = torch.empty(self.shape, dtype=self.dtype)
+        self.copy_into(out)
+        return out
