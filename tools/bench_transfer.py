@@ -25,6 +25,10 @@ For each size (MiB: 1, 4, 16, 64, 256, 512; ``--quick``: up to 64) one bfloat16
   bytes land where the receiver wants them. The first transfer to a peer
   includes a handshake: it is done in a warm-up, as is one transfer of every
   method at every size.
+* ``mooncake engine sync``: the engine's own blocking ``transfer_sync_write``
+  between two bare engines, in a thread — the ceiling of the engine's TCP
+  transport, which ``mooncake tcp`` (the same engine under trio) is measured
+  against.
 
 The methods take turns, ``--repeat`` times per size, so load drift on a shared
 machine hits all alike; the table shows the median as GB/s (10^9 bytes/s).
@@ -89,7 +93,8 @@ QUICK_SIZES = (1, 4, 16, 64)
 REFERENCE = "raw tcp"
 ZMQ_ONE_FRAME = "zmq tcp 1 frame"  # protocol v1 before payload frames: the old way, side by side
 ZMQ_TO_DST = "zmq tcp + copy"  # what the client does: receive, then copy into its pool slot
-INTO_DST = frozenset({"memcpy", REFERENCE, "mooncake tcp", ZMQ_TO_DST})  # others stay in frames
+MOONCAKE_BARE = "mooncake engine sync"  # the engine's own blocking write: its ceiling
+INTO_DST = frozenset({"memcpy", REFERENCE, "mooncake tcp", ZMQ_TO_DST, MOONCAKE_BARE})  # others stay in frames
 NOT_TRANSFERS = frozenset({"memcpy", "fresh buffer", REFERENCE})  # no "x raw" ratio
 
 Once = Callable[[int], Awaitable[None]]  # one timed run on n bytes (most move src[:n] to dst)
@@ -188,6 +193,36 @@ def mooncake_method(pair: tuple[MooncakeTransport, MooncakeTransport], src: torc
         await sender.write(receiver.session, src.data_ptr(), dst.data_ptr(), n,
                            timeout=30 + n / 1e8)
     return once
+
+
+class EngineSyncWrite:
+    """Mooncake's own blocking ``transfer_sync_write`` between two bare engines, in a
+    thread: what the engine itself does, without ``MooncakeTransport`` around it."""
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        from mooncake.engine import TransferEngine
+
+        self.engines = [TransferEngine(), TransferEngine()]
+        for engine in self.engines:
+            if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+                raise TransportError("cannot start a bare mooncake engine")
+        self.sender, receiver = self.engines
+        self.src, self.dst = src.data_ptr(), dst.data_ptr()
+        self.sender.register_memory(self.src, src.numel())
+        receiver.register_memory(self.dst, dst.numel())
+        self.peer = f"127.0.0.1:{receiver.get_rpc_port()}"
+        self.write(4096)  # handshake
+
+    def write(self, n: int) -> None:
+        if self.sender.transfer_sync_write(self.peer, self.src, self.dst, n) != 0:
+            raise TransportError("mooncake transfer_sync_write failed")
+
+    async def once(self, n: int) -> None:
+        await trio.to_thread.run_sync(self.write, n)
+
+    def close(self) -> None:
+        self.sender.unregister_memory(self.src)
+        self.engines[1].unregister_memory(self.dst)
 
 
 # ---- throughput -------------------------------------------------------------------
@@ -369,17 +404,24 @@ async def run(args: argparse.Namespace) -> None:
             try:
                 pair = await mooncake_pair(stack, src, dst)
                 methods["mooncake tcp"] = mooncake_method(pair, src, dst)
+                bare = EngineSyncWrite(src, dst)
+                stack.callback(bare.close)
+                methods[MOONCAKE_BARE] = bare.once
             except TransportError as exc:
                 mooncake = False
                 print(f"mooncake skipped: {exc}")
         gbps = await measure(methods, sizes, repeat, dst, src)
     print()
     print(table(gbps, sizes))
-    for name in ("zmq tcp", ZMQ_ONE_FRAME, ZMQ_TO_DST, "zmq ipc", "mooncake tcp"):
+    for name in ("zmq tcp", ZMQ_ONE_FRAME, ZMQ_TO_DST, "zmq ipc", "mooncake tcp", MOONCAKE_BARE):
         if name in gbps:
             ratios = [gbps[name][s] / gbps[REFERENCE][s] for s in sizes]
             print(f"{name}: ratio to the raw socket min {min(ratios):.2f}, median"
                   f" {statistics.median(ratios):.2f} (target >= 0.8)")
+    if MOONCAKE_BARE in gbps:
+        ours = [gbps["mooncake tcp"][s] / gbps[MOONCAKE_BARE][s] for s in sizes]
+        print(f"mooncake tcp / {MOONCAKE_BARE}: min {min(ours):.2f}, median"
+              f" {statistics.median(ours):.2f} (what the trio wrapper costs)")
     if args.plot:
         plot(gbps, sizes, args.plot)
     del src, dst
