@@ -397,15 +397,28 @@ FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCh
 
 def decodes_or_protocol_error(frames: list[bytes]) -> None:
     try:
-        decode_zmq_message(frames)
+        _, payload = decode_zmq_message(frames)
     except ProtocolError:
-        pass
+        return
+    if payload is not None:  # what decodes must also be usable
+        assert payload.tensor().shape == payload.shape
 
 
 @FUZZ
-@given(st.lists(st.binary(max_size=300), min_size=0, max_size=3))
+@given(st.lists(st.binary(max_size=300), min_size=0, max_size=5))
 def test_fuzz_random_frames(frames: list[bytes]) -> None:
     decodes_or_protocol_error(frames)
+
+
+@FUZZ
+@given(st.lists(st.integers(0, 64), max_size=6))
+def test_fuzz_payload_cut_anywhere_round_trips(cuts: list[int]) -> None:
+    t = random_bits((8, 4), torch.float16, seed=len(cuts))  # 64 bytes
+    head, payload = (bytes(f) for f in encode_zmq_message(image_header(t), t, frame_bytes=64))
+    edges = [0, *sorted(cuts), 64]
+    frames = [head, *(payload[a:b] for a, b in zip(edges, edges[1:]))]
+    _, got = decode_zmq_message(frames)
+    assert got is not None and torch.equal(bits(got.tensor()), bits(t))
 
 
 @FUZZ
