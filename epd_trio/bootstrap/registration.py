@@ -144,8 +144,10 @@ class Registration:
             return await self._http.request(method, url, json={"url": self.advertise_url},
                                             headers=self._headers)
 
-    async def unregister_all(self, timeout: float = UNREGISTER_TIMEOUT) -> int:
-        """Say goodbye to every registry at once; shielded, at most ``timeout`` s. → acknowledged."""
+    async def unregister_all(self, timeout: float | None = None) -> int:
+        """Say goodbye to every registry at once; shielded, at most ``timeout`` s
+        (default ``UNREGISTER_TIMEOUT``, read now). → how many acknowledged."""
+        timeout = UNREGISTER_TIMEOUT if timeout is None else timeout
         before = self._unregistered
         with trio.CancelScope(shield=True), trio.move_on_after(timeout) as scope:
             async with trio.open_nursery() as nursery:
