@@ -107,6 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = getattr(args, "log_level", None) or os.environ.get("EPD_LOG_LEVEL", "INFO")
     logging.basicConfig(level=level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The Mooncake engine logs through glog to stderr and reads this when first imported:
+    # its INFO lines (ports, topology, "finish") only at our debug level. Yours wins.
+    os.environ.setdefault("MC_LOG_LEVEL", "INFO" if level.upper() == "DEBUG" else "WARNING")
     try:
         return int(args.run(args))
     except (EPDError, ValueError, BaseExceptionGroup) as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -31,9 +32,20 @@ def test_bad_flag_value_is_a_clean_error(capsys: pytest.CaptureFixture[str]) -> 
     assert "no config.json" in capsys.readouterr().err
 
 
-def test_demo_over_mooncake(qwen25_path: str, capsys: pytest.CaptureFixture[str]) -> None:
-    import os
+@pytest.mark.parametrize(("given", "log_level", "expected"), [
+    (None, "info", "WARNING"), (None, "debug", "INFO"), ("ERROR", "debug", "ERROR")])
+def test_the_mooncake_log_level_follows_ours_unless_set(
+        monkeypatch: pytest.MonkeyPatch, given: str | None, log_level: str, expected: str) -> None:
+    if given is None:
+        monkeypatch.delenv("MC_LOG_LEVEL", raising=False)
+    else:
+        monkeypatch.setenv("MC_LOG_LEVEL", given)
+    monkeypatch.setenv("EPD_LOG_LEVEL", log_level)
+    assert main(["demo", "--model-path", "/nonexistent/model"]) == 2
+    assert os.environ["MC_LOG_LEVEL"] == expected
 
+
+def test_demo_over_mooncake(qwen25_path: str, capsys: pytest.CaptureFixture[str]) -> None:
     if os.environ.get("EPD_REQUIRE_MOONCAKE") != "1":
         pytest.importorskip("mooncake.engine", reason="Mooncake is an optional extra (epd-trio[mooncake-cpu])")
     assert main(["demo", "--model-path", qwen25_path, "--transfer-backend", "mooncake"]) == 0

@@ -45,7 +45,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "chaos")]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("GLOG_minloglevel", "2")
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # the Mooncake engine's glog noise
 
 import httpx  # noqa: E402
 import trio  # noqa: E402

@@ -23,7 +23,7 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     echo "$WANT" > "$STAMP"
 fi
 # Mooncake's glog: errors only (it reports "No RDMA devices found" and the like at start).
-export GLOG_minloglevel="${GLOG_minloglevel:-2}"
+export MC_LOG_LEVEL="${MC_LOG_LEVEL:-ERROR}"
 export PATH="$VENV/bin:$PATH"
 # Nothing is ever downloaded from a model hub: models are local checkpoints
 # or the generated tiny one.

@@ -12,7 +12,9 @@ Both packages, ``mooncake-transfer-engine`` (CUDA hosts) and
 ``mooncake-transfer-engine-non-cuda`` (with Debian's ``libibverbs1``), install
 the same ``mooncake`` module. Without either, opening the transport raises
 ``TransportError`` saying what to install. The engine logs through glog to
-stderr; set ``GLOG_minloglevel=2`` to keep only its errors.
+stderr; ``MC_LOG_LEVEL=ERROR`` (or ``WARNING``), set before ``mooncake`` is first
+imported, keeps only its errors (``GLOG_minloglevel`` is not read; ``epd-trio``
+sets ``WARNING`` unless ``--log-level debug``).
 """
 
 from __future__ import annotations

@@ -173,7 +173,7 @@ class StuckReceiver:
 def subprocess_env() -> dict[str, str]:
     # One OpenMP thread per server: several servers share 2 cores, and spinning
     # OpenMP threads of one would starve the others.
-    return {**os.environ, "GLOG_minloglevel": "2", "HF_HUB_OFFLINE": "1", "EPD_LOG_LEVEL": "WARNING",
+    return {**os.environ, "MC_LOG_LEVEL": "ERROR", "HF_HUB_OFFLINE": "1", "EPD_LOG_LEVEL": "WARNING",
             "OMP_NUM_THREADS": "1"}
 
 

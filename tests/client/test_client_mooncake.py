@@ -35,7 +35,7 @@ IMAGES = [png_bytes(56, 56, seed=1), png_bytes(84, 56, seed=2), png_bytes(56, 11
 @pytest.fixture(scope="module")
 def encoder_urls(qwen25_path: str) -> Iterator[list[str]]:
     """Three Mooncake-capable encoder processes (started together: start-up dominates)."""
-    env = {**os.environ, "EPD_LOG_LEVEL": "WARNING", "GLOG_minloglevel": "2",
+    env = {**os.environ, "EPD_LOG_LEVEL": "WARNING", "MC_LOG_LEVEL": "ERROR",
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "epd_trio.cli", "encoder", "--port", "0",
                "--transfer-backend", "mooncake", "--model-path", qwen25_path]
