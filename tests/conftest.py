@@ -14,6 +14,7 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # the Mooncake engine reads it when first imported
 
 import httpx
 import numpy as np
