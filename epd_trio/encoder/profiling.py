@@ -135,9 +135,12 @@ class Profiler:
             return
         profile, target = self._profile, self._target
         self._profile = None
-        profile.stop()
         assert target is not None
-        profile.export_chrome_trace(str(target / f"epd-trio-trace-at-shutdown-{next(self._names)}.json"))
+        try:
+            profile.stop()
+            profile.export_chrome_trace(str(target / f"epd-trio-trace-at-shutdown-{next(self._names)}.json"))
+        except Exception:  # noqa: BLE001 - shutdown goes on (a failed device makes stop() raise)
+            log.exception("the profile could not be stopped and written at shutdown")
 
     # ---- observer --------------------------------------------------------------
     def stage(self, name: str, seconds: float) -> None:
@@ -156,6 +159,10 @@ class Profiler:
             await self.stop()
         except ConflictError:  # already stopped by /stop_profile meanwhile
             pass
+        except Exception:  # noqa: BLE001 - this task runs in the service's nursery: never crash it
+            # With CUDA, stopping synchronizes the device, which raises once a
+            # worker has left it in a failed state; a full disk fails the export.
+            log.exception("the profile could not be stopped and written")
 
     def statistics(self) -> ProfilerStatistics:
         return ProfilerStatistics(

@@ -12,6 +12,9 @@ returns; other jobs in the batch are unaffected. A failed batch is retried one
 request at a time so one bad input fails alone. When the loop stops, every
 job still waiting gets ``NotReadyError``: no caller is left hanging.
 
+Device out-of-memory is not a device error (see ``failures``): the batch is
+retried one request at a time, and one that still does not fit fails with 503.
+
 A forward that fails with a *device* error (``is_device_error``) kills the
 scheduler: the running batch fails with ``WorkerDeadError``, the jobs still
 queued get ``JobNotRun`` (the dispatcher runs them on another device), later
@@ -34,7 +37,7 @@ from epd_trio.errors import EncodeError, EPDError, NotReadyError, OverloadedErro
 from epd_trio.model.adapters import PreprocessResult
 from epd_trio.scheduling.dispatch import Admission, JobNotRun
 from epd_trio.scheduling.policy import Batch, BatchPolicy, QueuedRequest, Wait, next_batch
-from epd_trio.scheduling.worker import is_device_error
+from epd_trio.scheduling.failures import is_device_error, is_device_out_of_memory
 
 if TYPE_CHECKING:
     from epd_trio.testing import FaultPlan
@@ -318,5 +321,9 @@ class Scheduler:
 def _as_encode_error(exc: BaseException) -> EPDError:
     if isinstance(exc, EPDError):
         return exc
+    if is_device_out_of_memory(exc):  # alone, and still too big for what the device has free
+        log.warning("a request ran out of device memory on its own: %s", exc)
+        return OverloadedError(f"the device ran out of memory for this request ({exc});"
+                               " retry later, or with fewer or smaller items")
     log.error("forward failed", exc_info=exc)
     return EncodeError(f"the encoder's forward failed: {type(exc).__name__}: {exc}")

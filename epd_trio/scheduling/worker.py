@@ -7,8 +7,7 @@ memory without blocking, copies the output into pinned host memory and
 synchronizes an event before returning: a result handed back is always fully
 written, so delivery (ZMQ, Mooncake) can never read an unfinished buffer.
 
-``is_device_error`` decides which forward failures mean the *device* is gone
-(the worker is then marked dead by its scheduler) rather than one bad input.
+Which forward failures mean the *device* is gone is ``failures.is_device_error``.
 """
 
 from __future__ import annotations
@@ -21,38 +20,14 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
-from epd_trio.errors import EncodeError, WorkerDeadError
+from epd_trio.errors import EncodeError
 from epd_trio.model.adapters import PreprocessResult
 from epd_trio.model.loader import LoadedEncoder
 
-__all__ = ["EncoderWorker", "WorkerStatistics", "is_device_error"]
-
-# Lower-cased fragments of the messages torch raises when a device (not an
-# input) failed: CUDA errors and CUDA out-of-memory, device-side asserts (the
-# context is unusable after one), and the CUDA libraries' own failures.
-_DEVICE_ERROR_MARKERS = ("cuda", "device-side", "cublas", "cudnn", "nccl")
+__all__ = ["EncoderWorker", "WorkerStatistics"]
 
 # Forwards remembered for ``busy_fraction``: enough for a 10 s window at ~400 forwards/s.
 _BUSY_HISTORY = 4096
-
-
-def is_device_error(exc: BaseException) -> bool:
-    """Whether a forward's exception means the device failed, not the input.
-
-    True for an injected (or re-raised) ``WorkerDeadError``, torch's
-    ``AcceleratorError``, and a ``RuntimeError`` whose message mentions CUDA
-    (CUDA errors, "CUDA out of memory"), a device-side assert, or a CUDA
-    library. A CPU allocation failure or a shape error is an input's problem:
-    the batch is retried one request at a time instead.
-    """
-    if isinstance(exc, WorkerDeadError):
-        return True
-    if not isinstance(exc, RuntimeError):
-        return False
-    if type(exc).__name__ == "AcceleratorError":
-        return True
-    message = str(exc).lower()
-    return any(marker in message for marker in _DEVICE_ERROR_MARKERS)
 
 
 @dataclass(frozen=True)
@@ -78,6 +53,12 @@ class EncoderWorker:
         self.device = torch.device(encoder.device)
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        if self._cuda:
+            # The weights were written on the device's default stream, and a
+            # replica's by an asynchronous device-to-device copy (no host sync);
+            # our stream is non-blocking (no implicit ordering with the default
+            # stream), so its first forward could read them half-copied.
+            torch.cuda.synchronize(self.device)
         if compile:
             encoder.module.compile(dynamic=True)
         self.compiled = compile
@@ -132,7 +113,9 @@ class EncoderWorker:
             return output.contiguous()
         host = torch.empty(output.shape, dtype=output.dtype, pin_memory=True)
         host.copy_(output, non_blocking=True)
-        event = torch.cuda.Event()
+        # Blocking: the thread sleeps until the copy is done instead of spinning a
+        # core that preprocessing (CPU-bound, on the same host) could use.
+        event = torch.cuda.Event(blocking=True)
         event.record(self._stream)
         event.synchronize()  # the bytes are on the host before anyone may read them
         return host

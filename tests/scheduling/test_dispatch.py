@@ -15,7 +15,7 @@ from epd_trio.model.adapters import PreprocessResult
 from epd_trio.scheduling.dispatch import Admission, Dispatcher, JobNotRun
 from epd_trio.scheduling.policy import BatchPolicy
 from epd_trio.scheduling.scheduler import Scheduler
-from epd_trio.scheduling.worker import WorkerStatistics, is_device_error
+from epd_trio.scheduling.worker import WorkerStatistics
 
 CUDA_CRASH = "CUDA error: an illegal memory access was encountered"
 
@@ -67,21 +67,6 @@ async def settle(devices: list[FakeDevice], batches: int) -> None:
         while sum(len(d.batches) for d in devices) < batches:
             await trio.sleep(0.001)
     await trio.testing.wait_all_tasks_blocked()
-
-
-@pytest.mark.parametrize(("exc", "device"), [
-    (RuntimeError(CUDA_CRASH), True),
-    (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
-    (RuntimeError("device-side assert triggered"), True),
-    (RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx`"), True),
-    (WorkerDeadError("injected"), True),
-    (RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 1 GB"), False),
-    (RuntimeError("shape '[2, 3]' is invalid for input of size 7"), False),
-    (ValueError("cuda"), False),  # not a RuntimeError: an input problem raised by our code
-    (EncodeError("encoder produced 3 tokens, expected 4"), False),
-])
-def test_device_errors_are_told_from_input_errors(exc: BaseException, device: bool) -> None:
-    assert is_device_error(exc) is device
 
 
 async def test_least_pending_spreads_load_and_admission_is_shared(nursery: trio.Nursery) -> None:

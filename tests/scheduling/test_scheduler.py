@@ -24,7 +24,8 @@ def payload(value: float, tokens: int = 2, modality: str = "image", poison: bool
 
 
 class FakeForward:
-    """Doubles its inputs; can be held mid-forward and poisoned."""
+    """Doubles its inputs; can be held mid-forward, poisoned, and given a device
+    memory budget (``oom_tokens``) that a forward of more tokens runs out of."""
 
     def __init__(self) -> None:
         self.batches: list[list[float]] = []
@@ -32,6 +33,7 @@ class FakeForward:
         self.hold.set()
         self.step = threading.Event()  # set: exactly one held forward may go on
         self.entered = threading.Event()
+        self.oom_tokens: int | None = None
 
     def __call__(self, payloads: Sequence[PreprocessResult]) -> list[torch.Tensor]:
         self.batches.append([float(p.inputs["x"][0, 0]) for p in payloads])
@@ -42,6 +44,8 @@ class FakeForward:
                 break
         if any("poison" in p.inputs for p in payloads):
             raise RuntimeError("poisoned input")
+        if self.oom_tokens is not None and sum(p.tokens for p in payloads) > self.oom_tokens:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         return [p.inputs["x"] * 2 for p in payloads]
 
 
@@ -185,6 +189,41 @@ async def test_poisoned_item_fails_alone(nursery: trio.Nursery) -> None:
     assert torch.equal(results[1.0], torch.full((2, 3), 2.0))  # type: ignore[arg-type]
     assert torch.equal(results[3.0], torch.full((2, 3), 6.0))  # type: ignore[arg-type]
     assert isinstance(results[2.0], EncodeError) and "poisoned input" in str(results[2.0])
+    stats = s.statistics()
+    assert (stats.requests_failed, stats.batches_retried) == (1, 1)
+
+
+async def test_out_of_device_memory_retries_singly_and_fails_alone_with_503(
+        nursery: trio.Nursery) -> None:
+    s, fake = await started()
+    fake.oom_tokens = 6
+    await nursery.start(s.run)
+    fake.hold.clear()
+    nursery.start_soon(encode, s, payload(0.0))
+    await wait_entered(fake)
+    results: dict[float, object] = {}
+
+    async def call(v: float, tokens: int) -> None:
+        try:
+            results[v] = await encode(s, payload(v, tokens=tokens))
+        except OverloadedError as exc:
+            results[v] = exc
+
+    async with trio.open_nursery() as inner:
+        for v, tokens in ((1.0, 2), (2.0, 8), (3.0, 2)):
+            inner.start_soon(call, v, tokens)
+        await trio.testing.wait_all_tasks_blocked()
+        fake.hold.set()
+    batch = fake.batches[1]
+    assert sorted(batch) == [1.0, 2.0, 3.0]  # 12 tokens: out of memory together
+    assert fake.batches[2:] == [[v] for v in batch]  # then one at a time
+    assert torch.equal(results[1.0], torch.full((2, 3), 2.0))  # type: ignore[arg-type]
+    assert torch.equal(results[3.0], torch.full((2, 3), 6.0))  # type: ignore[arg-type]
+    too_big = results[2.0]
+    assert isinstance(too_big, OverloadedError) and too_big.status_code == 503
+    assert "out of memory" in str(too_big)
+    # The device is not dead: the next request runs on it.
+    assert torch.equal(await encode(s, payload(4.0)), torch.full((2, 3), 8.0))
     stats = s.statistics()
     assert (stats.requests_failed, stats.batches_retried) == (1, 1)
 
