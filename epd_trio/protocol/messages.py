@@ -82,7 +82,7 @@ class ErrorInfo:
 
 @dataclass(frozen=True)
 class EmbeddingHeader:
-    """Frame 0 of a ZMQ message: what the tensor in frame 1 is, and for whom."""
+    """Frame 0 of a ZMQ message: what the tensor in the frames after it is, and for whom."""
 
     req_id: str
     part_idx: int
@@ -99,7 +99,7 @@ class EmbeddingHeader:
 
     @property
     def nbytes(self) -> int:
-        """Exact length frame 1 must have."""
+        """Exact length of the tensor bytes (all payload frames together)."""
         return self.shape[0] * self.shape[1] * DTYPE_ITEMSIZE[self.dtype]
 
 
