@@ -12,16 +12,11 @@ caller's cancellation, the client closing — the parts an encoder may still be
 working on are aborted there (best effort, shielded, short deadline), and the
 request leaves nothing behind: ``statistics()`` proves it.
 
-With ``transfer_backend="mooncake"`` there is no PULL socket: the client runs
-a Mooncake transfer engine and registers the pool's one buffer with it once,
-for its whole life. Each part's ``/encode`` answers early with its shape and
-``nbytes``; once every part has answered, the request reserves one slot laid
-out exactly as the ZMQ path lays it out (``plan_layout``), and posts ``/send``
-per part with the address of that part's place in the slot. A ``/send``
-answer means the bytes are in place, so the result is views over the slot, with
-no copy. A request owns its slot until its result does; on failure the slot is
-released only after the parts' ``/abort`` calls, since an encoder may still be
-writing into it until it hears of the failure.
+With ``transfer_backend="mooncake"`` there is no PULL socket: parts are written
+straight into the request's slot (``inplace``). A request owns its slot until
+its result does; on failure the slot is released only after the parts'
+``/abort`` calls, since an encoder may still be writing into it until it hears
+of the failure.
 """
 
 from __future__ import annotations
@@ -41,7 +36,6 @@ from trio_util import periodic
 from epd_trio.bootstrap.discovery import fetch_encoder_urls
 from epd_trio.client.answers import (
     check_message,
-    check_sent,
     check_sized_meta,
     http_error,
     inline_message,
@@ -49,6 +43,7 @@ from epd_trio.client.answers import (
     parse_sized_meta,
     zmq_error,
 )
+from epd_trio.client.inplace import open_registered_engine, write_parts
 from epd_trio.client.items import is_heavy, to_wire_items
 from epd_trio.client.metrics import ClientMetrics
 from epd_trio.client.pool import EmbeddingPool
@@ -74,7 +69,7 @@ from epd_trio.errors import (
     TransportError,
 )
 from epd_trio.protocol.messages import validate_req_id
-from epd_trio.transport.mooncake import MooncakeTransport, open_mooncake
+from epd_trio.transport.mooncake import MooncakeTransport
 from epd_trio.transport.zmq import PullReceiver, validate_endpoint
 
 if TYPE_CHECKING:
@@ -139,7 +134,7 @@ class EncoderClient:
             raise RuntimeError("an EncoderClient can be opened once")
         try:
             if self.config.transfer_backend == "mooncake":
-                await self._open_mooncake()
+                self.mooncake = await open_registered_engine(self._stack, self.config, self.pool)
             elif self.config.transfer_backend == "zmq":
                 self._pull = await self._stack.enter_async_context(PullReceiver(self.config.zmq_bind))
                 self.endpoint = advertised_endpoint(self._pull.last_endpoint, self.config.zmq_advertise)
@@ -156,14 +151,6 @@ class EncoderClient:
             await self._stack.aclose()
             raise
         return self
-
-    async def _open_mooncake(self) -> None:
-        c = self.config
-        self.mooncake = await self._stack.enter_async_context(
-            open_mooncake(c.mooncake_host, c.mooncake_protocol, c.mooncake_device))
-        # One buffer at a stable address: registered once, for the client's whole life.
-        await self._stack.enter_async_context(
-            self.mooncake.registered(self.pool.address, self.pool.capacity))
 
     async def __aexit__(self, exc_type: type[BaseException] | None,
                         exc: BaseException | None, tb: TracebackType | None) -> None:
@@ -314,12 +301,7 @@ class EncoderClient:
         described = [state.described for state in req.parts]
         layouts, nbytes = plan_layout(described)  # type: ignore[arg-type]
         req.slot = slot = await self.pool.acquire(nbytes)
-        states = {state.part.part_idx: state for state in req.parts}
-        async with trio.open_nursery() as nursery:
-            for layout in layouts:
-                for r, offset in layout.placements():
-                    nursery.start_soon(self._send_part, req, states[r.part.part_idx], session,
-                                       slot.address + offset)
+        await write_parts(self._require_open(), req, slot, layouts, session, self._settle)
         if req.failure is not None:
             raise req.failure
         req.slot = None  # the result owns it now
@@ -366,31 +348,6 @@ class EncoderClient:
         finally:
             if not staged:
                 self._settle(state)
-
-    async def _send_part(self, req: LiveRequest, state: PartState, session: str,
-                         address: int) -> None:
-        """Mooncake: POST /send; its 200 answer means the bytes are at ``address``."""
-        part = state.part
-        assert state.described is not None
-        nbytes = state.described.nbytes
-        body = {"req_id": req.req_id, "part_idx": part.part_idx, "session": session,
-                "buffer_address": address, "buffer_length": nbytes}
-        try:
-            try:
-                response = await self._require_open().post(f"{state.encoder_url}/send", json=body)
-            except httpx.HTTPError as exc:
-                raise PeerUnavailable(f"{state.encoder_url} failed /send of part {part.part_idx}"
-                                      f" of {req.req_id}: {type(exc).__name__}: {exc}",
-                                      req_id=req.req_id) from None
-            if response.status_code != 200:
-                raise http_error(response, req.req_id, state.encoder_url, part.part_idx)
-            check_sent(response, req.req_id, part.part_idx, nbytes, state.encoder_url)
-            state.answered = True  # in place, and the encoder has released the part
-            state.finished = trio.current_time()
-        except EPDError as exc:
-            req.fail(exc)
-        finally:
-            self._settle(state)
 
     async def _post(self, req: LiveRequest, state: PartState) -> httpx.Response:
         """POST /encode, its 200 answer; on a connect error move the part to another encoder."""
