@@ -1,8 +1,8 @@
 """Benchmark: the embedding cache (hit vs miss) and data parallel (1 vs 2 workers).
 
 Kept apart from ``tools/bench_service.py`` (the service path against the
-engine) so the two can change independently; both build the same random-weight
-checkpoints with ``tools/bench_engine.py``'s helpers.
+engine) so each runs in minutes on 2 cores; they share its report helpers and
+``tools/bench_engine.py``'s random-weight checkpoints.
 
 1. **Cache hit vs miss** (``--cache-mb``): N distinct images, each encoded
    twice in a row, sequentially, through the engine in process and through
@@ -36,32 +36,13 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads must not spin
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 import bench_engine  # noqa: E402  (tools/: checkpoint builder and images)
-
-
-def print_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    cells = [list(header), *[[str(x) for x in r] for r in rows]]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    for n, r in enumerate(cells):
-        print("  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(r, widths))))
-        if n == 0:
-            print("  ".join("-" * w for w in widths))
-
-
-def pct(samples: Sequence[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
-
-
-def load() -> str:
-    one, five, _ = os.getloadavg()
-    return f"load {one:.2f} (5 min {five:.2f}) on {os.cpu_count()} cores"
+from bench_service import load, percentile, print_table  # noqa: E402  (the same report helpers)
 
 
 # ---- 1: cache hit vs miss ------------------------------------------------------
@@ -111,8 +92,8 @@ def cache_part(args: argparse.Namespace, model_dir: Path) -> None:
     rows = []
     for path in ("engine", "http"):
         miss, hit = out[f"{path} miss"], out[f"{path} hit"]
-        rows.append((path, f"{pct(miss, 50) * 1e3:.2f}", f"{pct(miss, 90) * 1e3:.2f}",
-                     f"{pct(hit, 50) * 1e3:.3f}", f"{pct(hit, 90) * 1e3:.3f}",
+        rows.append((path, f"{percentile(miss, 50) * 1e3:.2f}", f"{percentile(miss, 90) * 1e3:.2f}",
+                     f"{percentile(hit, 50) * 1e3:.3f}", f"{percentile(hit, 90) * 1e3:.3f}",
                      f"{statistics.median(miss) / statistics.median(hit):.0f}x"))
     print()
     print_table(("path", "miss p50 ms", "miss p90 ms", "hit p50 ms", "hit p90 ms", "miss/hit p50"), rows)
