@@ -215,8 +215,8 @@ def _check_token(name: str, token: str | None) -> None:
 
 
 def _url(raw: str, name: str) -> str:
-    from epd_trio.bootstrap.registry import normalize_url
     from epd_trio.errors import RequestError
+    from epd_trio.protocol.urls import normalize_url
 
     try:
         return normalize_url(raw, name)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import png_bytes, random_image
-from epd_trio.cache import EmbeddingCache, content_digest, item_key
+from epd_trio.engine.cache import EmbeddingCache, content_digest, item_key
 
 
 def rows(n: int, value: float = 1.0) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 
 from conftest import png_bytes
 from epd_trio import RequestError, open_engine
-from epd_trio.cache import EmbeddingCache
+from epd_trio.engine.cache import EmbeddingCache
 from epd_trio.model.samples import generated_frames, sample_tone
 
 A, B, C = (png_bytes(28 * (i + 1), 56, seed=i) for i in range(3))

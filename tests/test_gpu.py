@@ -66,7 +66,7 @@ async def test_a_forward_runs_on_the_workers_stream_and_returns_only_once_copied
     async with open_engine(model_path=qwen25_path, device="cuda:0") as engine:
         expected = (await engine.encode([IMAGES[0]])).embedding
         adapter, scheduler, worker = engine.encoder.adapter, engine.scheduler, engine.worker
-        inner, forward = adapter.forward, scheduler._forward
+        inner, forward = adapter.forward, scheduler.forward
         seen: list[tuple[Any, ...]] = []
         snapshots: list[torch.Tensor] = []
 
@@ -82,12 +82,12 @@ async def test_a_forward_runs_on_the_workers_stream_and_returns_only_once_copied
             snapshots.extend(o.clone() for o in outs)  # read at once, as delivery may
             return outs
 
-        adapter.forward, scheduler._forward = slow, snapshot
+        adapter.forward, scheduler.forward = slow, snapshot
         try:
             got = (await engine.encode([IMAGES[0]])).embedding
         finally:
             del adapter.forward
-            scheduler._forward = forward
+            scheduler.forward = forward
     ((device, stream, inputs_on),) = seen
     assert device == 0 and inputs_on == torch.device("cuda:0")
     assert stream == worker._stream and stream != torch.cuda.default_stream(0)

@@ -1,7 +1,7 @@
 """The registry's HTTP face (quart-trio): register, unregister, list, inspect.
 
-Handlers stay thin: URLs are checked by ``registry.normalize_url``, state lives
-in ``Registry``, and every error leaves as the protocol's JSON error shape
+Handlers stay thin: URLs are checked by ``protocol.urls.normalize_url``, state
+lives in ``Registry``, and every error leaves as the protocol's JSON error shape
 with the status from ``epd_trio.errors.http_status``. With a token configured
 the mutating endpoints need ``Authorization: Bearer <token>``, compared in
 constant time; the token is never logged or echoed.
@@ -21,9 +21,10 @@ from quart_trio import QuartTrio
 from epd_trio._http import BearerAuth, install_error_handlers, json_response
 from epd_trio._version import __version__
 from epd_trio.bootstrap.health import HealthLoop
-from epd_trio.bootstrap.registry import EncoderEntry, Registry, normalize_url
+from epd_trio.bootstrap.registry import EncoderEntry, Registry
 from epd_trio.errors import RequestError
 from epd_trio.protocol.requests import parse_json_body
+from epd_trio.protocol.urls import normalize_url
 
 __all__ = ["create_app"]
 

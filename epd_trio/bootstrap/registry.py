@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import ipaddress
-import re
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
-from epd_trio.errors import RequestError
+# An encoder URL's rule lives with the wire (protocol/urls.py); re-exported for bootstrap's callers.
+from epd_trio.protocol.urls import normalize_url
 
 __all__ = [
     "EncoderEntry",
@@ -32,60 +30,6 @@ __all__ = [
     "is_expired",
     "normalize_url",
 ]
-
-MAX_URL_LENGTH = 2048
-_HOSTNAME = re.compile(r"^[a-z0-9_](?:[a-z0-9._-]*[a-z0-9_])?$")
-
-
-# ---- URLs -------------------------------------------------------------------
-def normalize_url(raw: object, what: str = "url") -> str:
-    """``scheme://host:port[/path]`` with scheme and host lower-cased and no trailing ``/``.
-
-    Accepts http and https only, with a host and an explicit port; refuses
-    credentials, queries, fragments, whitespace and control characters (any
-    of them → ``RequestError``, a 400 on the wire).
-    """
-    if not isinstance(raw, str) or not raw:
-        raise RequestError(f"{what} must be a non-empty string")
-    shown = repr(raw[:200])
-    if len(raw) > MAX_URL_LENGTH:
-        raise RequestError(f"{what} is longer than {MAX_URL_LENGTH} characters")
-    if any(ch.isspace() or not ch.isprintable() for ch in raw):
-        raise RequestError(f"{what} must not contain whitespace or control characters: {shown}")
-    try:
-        parts = urlsplit(raw)
-    except ValueError as exc:  # e.g. a bracketed host that is no IPv6 address
-        raise RequestError(f"{what} is not a valid URL ({exc}): {shown}") from None
-    scheme = parts.scheme.lower()
-    if scheme not in ("http", "https"):
-        raise RequestError(f"{what} must be an http:// or https:// URL, got {shown}")
-    if "@" in parts.netloc:
-        raise RequestError(f"{what} must not carry credentials: {shown}")
-    if parts.query or parts.fragment or raw.endswith(("?", "#")):
-        raise RequestError(f"{what} must not have a query or fragment: {shown}")
-    host = _host(parts.hostname, what, shown)
-    try:
-        port = parts.port
-    except ValueError:
-        raise RequestError(f"{what} has an invalid port: {shown}") from None
-    if not port:
-        raise RequestError(f"{what} must name a port (1-65535): {shown}")
-    netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    return f"{scheme}://{netloc}{parts.path.rstrip('/')}"
-
-
-def _host(hostname: str | None, what: str, shown: str) -> str:
-    if not hostname:
-        raise RequestError(f"{what} must name a host: {shown}")
-    if ":" in hostname:
-        try:
-            return str(ipaddress.IPv6Address(hostname))
-        except ValueError:
-            raise RequestError(f"{what} has an invalid IPv6 host: {shown}") from None
-    if not _HOSTNAME.match(hostname):
-        raise RequestError(f"{what} has an invalid host: {shown}")
-    return hostname
-
 
 # ---- one encoder's state and the decisions about it -------------------------
 @dataclass(frozen=True)

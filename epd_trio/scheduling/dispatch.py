@@ -17,8 +17,8 @@ requests go to live devices only; with none left, ``WorkerDeadError``.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +64,12 @@ class Admission:
             yield
         finally:
             self.admitted -= 1
+
+    @asynccontextmanager
+    async def enter(self, *, bypass: bool = False) -> AsyncIterator[None]:
+        """``admit`` for async callers (the engine): an awaitable seam a test can wrap."""
+        with self.admit(bypass=bypass):
+            yield
 
     def statistics(self) -> AdmissionStatistics:
         return AdmissionStatistics(self.admitted, self.max_pending, self._refused)

@@ -28,7 +28,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import outcome
 import trio
@@ -38,9 +38,6 @@ from epd_trio.model.adapters import PreprocessResult
 from epd_trio.scheduling.dispatch import Admission, JobNotRun
 from epd_trio.scheduling.policy import Batch, BatchPolicy, QueuedRequest, Wait, next_batch
 from epd_trio.scheduling.failures import is_device_error, is_device_out_of_memory
-
-if TYPE_CHECKING:
-    from epd_trio.testing import FaultPlan
 
 __all__ = ["Forward", "Job", "Observer", "Scheduler", "SchedulerStatistics"]
 
@@ -96,7 +93,11 @@ class SchedulerStatistics:
 
 
 class Scheduler:
-    """Owns the queue between callers and one device's worker thread."""
+    """Owns the queue between callers and one device's worker thread.
+
+    ``forward`` (called in the worker thread) and ``run_sync`` are the seams a
+    test may replace or wrap (``epd_trio.testing``).
+    """
 
     def __init__(
         self, forward: Forward, policy: BatchPolicy, *, max_pending: int = 256,
@@ -105,7 +106,7 @@ class Scheduler:
     ) -> None:
         if max_pending < 1:
             raise ValueError("max_pending must be at least 1")
-        self._forward = forward
+        self.forward = forward
         self.policy = policy
         self.max_pending = max_pending
         self.admission = admission or Admission(max_pending)
@@ -123,7 +124,6 @@ class Scheduler:
         self._running = 0
         self._done = self._failed = self._dropped = self._batches = self._retried = 0
         self._redispatched = 0
-        self.faults: FaultPlan | None = None  # the "forward" point runs in the worker thread
         self.run_sync: RunSync = trio.to_thread.run_sync
 
     # ---- caller side ------------------------------------------------------
@@ -257,15 +257,10 @@ class Scheduler:
         try:
             # Not abandon_on_cancel: a running forward cannot be interrupted, and
             # its thread must finish before the model may be torn down.
-            return await self.run_sync(self._forward_with_faults, payloads, limiter=self._limiter)
+            return await self.run_sync(self.forward, payloads, limiter=self._limiter)
         finally:
             self._observe("stage", "forward", trio.current_time() - started)
             self._observe("batch", self.index, len(jobs), sum(p.tokens for p in payloads))
-
-    def _forward_with_faults(self, payloads: list[PreprocessResult]) -> list[Any]:
-        if self.faults is not None:
-            self.faults.inject_sync("forward")
-        return self._forward(payloads)
 
     def _observe(self, what: str, *args: Any) -> None:
         for observer in self.observers:

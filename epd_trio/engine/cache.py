@@ -17,10 +17,9 @@ extras. **Immutability**: the cache stores its own copy of the rows and hands
 out only copies (``torch.cat`` of the entries always allocates), so a caller
 mutating its result can never change what a later caller gets.
 
-The request-level helpers below (``given_names``, ``item_parts``,
-``store_misses``, ``join_rows``) are what the engine uses to answer a request
-whose items are partly cached: look every item up, encode only the misses as
-one request, then put the answer back together in item order.
+How a request whose items are partly cached is answered (look every item up,
+encode only the misses, put the answer back together in item order) is the
+engine's plan, ``plan.py``.
 
 Pure: no trio, no clock, no torch import at module level. Single-threaded use
 (the trio thread); hashing large items may run in a worker thread, lookups not.
@@ -32,17 +31,9 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from epd_trio.errors import RequestError
-
-if TYPE_CHECKING:
-    from epd_trio.model.adapters import PreprocessResult
-
-__all__ = [
-    "CacheEntry", "CacheStatistics", "EmbeddingCache", "ItemPart", "content_digest", "given_names",
-    "item_key", "item_parts", "join_extras", "join_rows", "store_misses",
-]
+__all__ = ["CacheEntry", "CacheStatistics", "EmbeddingCache", "content_digest", "item_key"]
 
 _DIGEST_BYTES = 32
 
@@ -178,71 +169,6 @@ class EmbeddingCache:
         s = self.statistics()
         return (f"<EmbeddingCache {s.bytes}/{s.capacity_bytes} bytes in {s.entries} entries, "
                 f"{s.hits} hits, {s.misses} misses, {s.evictions} evictions>")
-
-
-# ---- a request of several items ------------------------------------------------
-@dataclass(frozen=True)
-class ItemPart:
-    """What one item contributes to an answer, besides its rows."""
-
-    token_count: int
-    grid_thw: tuple[int, int, int] | None
-    extras: Mapping[str, Any]
-
-
-def given_names(items: Sequence[Any], hashes: Sequence[str] | None) -> list[str | None]:
-    """Each item's client-given name: its ``hashes`` entry, else its ``content_hash``, else None."""
-    if hashes is not None and len(hashes) != len(items):
-        raise RequestError(f"'hashes' must have one entry per item ({len(items)}), got {len(hashes)}")
-    out: list[str | None] = []
-    for i, item in enumerate(items):
-        name = hashes[i] if hashes is not None else None
-        if name is None and isinstance(item, dict) and isinstance(item.get("content_hash"), str):
-            name = item["content_hash"] or None
-        out.append(name)
-    return out
-
-
-def item_parts(entries: Sequence[CacheEntry | None], misses: PreprocessResult | None) -> list[ItemPart]:
-    """Every item in order: a hit from its entry, a miss from the misses' preprocessing."""
-    parts, j = [], 0
-    for entry in entries:
-        if entry is not None:
-            parts.append(ItemPart(entry.token_count, entry.grid_thw, entry.extras))
-            continue
-        assert misses is not None, "a miss without a preprocessed result"
-        grid = tuple(misses.grid_thw[j]) if misses.grid_thw else None  # audio has no grids
-        parts.append(ItemPart(misses.token_counts[j], grid,  # type: ignore[arg-type]
-                              {k: v[j] for k, v in misses.extras.items()}))
-        j += 1
-    return parts
-
-
-def join_extras(parts: Sequence[ItemPart]) -> dict[str, list[Any]]:
-    keys = list(dict.fromkeys(k for p in parts for k in p.extras))
-    return {k: [p.extras.get(k) for p in parts] for k in keys}
-
-
-def store_misses(cache: EmbeddingCache, keys: Sequence[bytes], misses: Sequence[int],
-                 pre: PreprocessResult, embedding: Any) -> None:
-    """Store each miss's rows (``embedding`` holds the misses' rows, in their order)."""
-    start = 0
-    for i, part in zip(misses, item_parts([None] * len(misses), pre), strict=True):
-        cache.put(keys[i], embedding[start:start + part.token_count], part.token_count,
-                  part.grid_thw, part.extras)
-        start += part.token_count
-
-
-def join_rows(entries: Sequence[CacheEntry | None], misses: PreprocessResult | None,
-              embedding: Any) -> Any:
-    """The answer's rows in item order. With any hit it is a new tensor (``torch.cat``
-    allocates), so the caller owns it; with none, the forward's own output (no copy)."""
-    import torch
-
-    if all(entry is None for entry in entries):
-        return embedding
-    rows = iter(torch.split(embedding, list(misses.token_counts)) if misses is not None else ())
-    return torch.cat([entry.embedding if entry is not None else next(rows) for entry in entries])
 
 
 def _contiguous() -> Any:

@@ -10,37 +10,32 @@ Data parallel: ``device="cuda:0,cuda:1"`` (or ``"cpu,cpu"``) loads the encoder
 once per device; all devices share one admission bound, and each preprocessed
 request goes to the live device with the fewest pending requests
 (``scheduling.dispatch``). With ``cache_mb`` an ``EmbeddingCache`` answers
-items it has seen (``epd_trio.cache``): a request's cached items skip
-preprocessing and the forward, the others are encoded, and the answer is put
-back together in item order.
+items it has seen (``cache.py``): the request's plan (``plan.py``) says which
+items skip preprocessing and the forward; the others go through the same path
+as every request, and the plan puts the answer back together in item order.
+
+Seams: the engine awaits its collaborators through small interfaces (the
+media source, ``preprocess_step``, the admission gate; each scheduler's
+``forward``), so tests wrap them (``epd_trio.testing``) rather than the engine
+branching on a fault plan.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import httpx
 import trio
 
-from epd_trio.cache import (
-    CacheEntry,
-    CacheStatistics,
-    EmbeddingCache,
-    content_digest,
-    given_names,
-    item_key,
-    item_parts,
-    join_extras,
-    join_rows,
-    store_misses,
-)
 from epd_trio.config import EngineConfig
+from epd_trio.engine.cache import CacheStatistics, EmbeddingCache, content_digest
+from epd_trio.engine.plan import CachePlan, EncodeAll, EncodeOutput, EncodePlan, given_names
 from epd_trio.errors import RequestError
 from epd_trio.model.adapters import PreprocessResult
 from epd_trio.model.loader import LoadedEncoder, load_encoder, replicate_encoder
@@ -52,10 +47,10 @@ from epd_trio.scheduling.policy import BatchPolicy
 from epd_trio.scheduling.scheduler import Observer, RunSync, Scheduler
 from epd_trio.scheduling.worker import EncoderWorker
 
-if TYPE_CHECKING:
-    from epd_trio.testing import FaultPlan
-
-__all__ = ["EncodeOutput", "Engine", "EngineStatistics", "ModelInfo", "open_engine"]
+__all__ = [
+    "AdmissionGate", "EncodeOutput", "Engine", "EngineStatistics", "MediaSource", "ModelInfo",
+    "PreprocessStep", "open_engine",
+]
 
 log = logging.getLogger(__name__)
 
@@ -65,22 +60,22 @@ MODALITIES = ("image", "video", "audio")
 _HASH_IN_THREAD_BYTES = 1 << 20
 
 
-@dataclass(frozen=True)
-class EncodeOutput:
-    """Embeddings of one request's items, concatenated in item order."""
+class MediaSource(Protocol):
+    """Where items' bytes come from (``MediaLoader``: URLs, files, inline data)."""
 
-    modality: str
-    embedding: Any  # torch.Tensor [sum(token_counts), dim]
-    token_counts: list[int]
-    grid_thw: list[tuple[int, int, int]]
-    # Per-item values the language side needs (each list has one entry per
-    # item), e.g. ``second_per_grid_ts`` for Qwen2.5-VL videos; often empty.
-    extras: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+    async def load(self, items: Sequence[Any]) -> list[Any]: ...
 
-    def item(self, index: int) -> Any:
-        """The rows of item ``index`` (a view, no copy)."""
-        start = sum(self.token_counts[:index])
-        return self.embedding[start:start + self.token_counts[index]]
+
+class AdmissionGate(Protocol):
+    """The shared admission bound, as the engine enters it (``Admission``)."""
+
+    admitted: int
+
+    def enter(self, *, bypass: bool = False) -> AbstractAsyncContextManager[None]: ...
+
+
+# Preprocess loaded items (the places they have in the request, None: all of them, in order).
+PreprocessStep = Callable[[Sequence[Any], str, Sequence[int] | None], Awaitable[PreprocessResult]]
 
 
 @dataclass(frozen=True)
@@ -123,33 +118,31 @@ def normalize_modality(modality: str) -> str:
     return modality.lower()
 
 
-def _output(pre: PreprocessResult, embedding: Any) -> EncodeOutput:
-    return EncodeOutput(pre.modality, embedding, list(pre.token_counts), list(pre.grid_thw),
-                        {key: list(values) for key, values in pre.extras.items()})
-
-
 class Engine:
     """Encodes media; build it with ``open_engine``.
 
     ``workers`` and ``schedulers`` hold one per device (``worker`` and
     ``scheduler`` are the first device's); ``admission`` is their shared bound.
+    ``media``, ``preprocess_step`` and ``admission`` are the seams a test may
+    wrap (``epd_trio.testing.engine_faults``).
     """
 
     def __init__(self, config: EngineConfig, encoder: LoadedEncoder, media: MediaLoader,
                  replicas: Sequence[LoadedEncoder] = ()) -> None:
         self.config = config
         self.encoder = encoder
-        self.media = media
+        self.media: MediaSource = media
         self.preprocessor = EncoderPreprocessor(
             encoder.adapter, encoder.processors, media.limits, video_fps=config.video_fps,
             video_min_frames=config.video_min_frames, video_max_frames=config.video_max_frames)
         policy = BatchPolicy(config.max_batch_size, config.max_batch_tokens, config.coalesce_delay)
-        self.admission = Admission(config.max_pending)
+        admission = Admission(config.max_pending)
+        self.admission: AdmissionGate = admission
         # Told of stages and batches (metrics, profiler); shared with every scheduler.
         self.observers: list[Observer] = []
         self.workers = tuple(EncoderWorker(e, compile=config.compile) for e in (encoder, *replicas))
         self.schedulers = tuple(
-            Scheduler(w.forward, policy, max_pending=config.max_pending, admission=self.admission,
+            Scheduler(w.forward, policy, max_pending=config.max_pending, admission=admission,
                       index=i, observers=self.observers)
             for i, w in enumerate(self.workers))
         self.dispatcher = Dispatcher(self.workers, self.schedulers)
@@ -159,10 +152,10 @@ class Engine:
             config.video_min_frames, config.video_max_frames)))
         self._preprocess_limiter = trio.CapacityLimiter(config.preprocess_workers)
         self._preprocessing = 0
-        self.faults: FaultPlan | None = None  # epd_trio.testing installs one; never the network
         # How blocking work reaches a thread; epd_trio.testing can run it inline so
         # that MockClock tests stay deterministic.
         self.run_sync: RunSync = trio.to_thread.run_sync
+        self.preprocess_step: PreprocessStep = self._preprocess_in_thread
 
     @property
     def worker(self) -> EncoderWorker:
@@ -199,22 +192,24 @@ class Engine:
         is known, before the forward (Mooncake receivers reserve memory that
         early); its ``inputs`` are only the items that need a forward.
         """
-        if self.faults is not None:
-            await self.faults.inject("admission")
-        with self.admission.admit(bypass=bypass_admission):
+        async with self.admission.enter(bypass=bypass_admission):
             started = trio.current_time()
-            if self.cache is not None and use_cache:
-                return await self._encode_cached(self.cache, items, modality, hashes,
-                                                 on_preprocessed, started)
-            pre = await self.preprocess(items, modality)
-            self._observe_stage("preprocess", trio.current_time() - started)
+            modality = self._check_modality(modality)
+            plan = await self._plan(items, modality, hashes, use_cache=use_cache)
+            pre = embedding = None
+            if plan.needs_forward:
+                loaded = plan.loaded if plan.loaded is not None else await self._load(items)
+                chosen, indices = plan.select(loaded)
+                pre = await self._process(chosen, modality, indices)
+                self._observe_stage("preprocess", trio.current_time() - started)
             if on_preprocessed is not None:
-                on_preprocessed(pre)
-            embedding = await self.dispatcher.submit(pre)
-        return _output(pre, embedding)
+                on_preprocessed(plan.describe(pre))
+            if pre is not None:
+                embedding = await self.dispatcher.submit(pre)
+            return plan.finish(pre, embedding)
 
     async def preprocess(self, items: Sequence[Any], modality: str) -> PreprocessResult:
-        """Fetch and preprocess; callers hold an admission slot (``admission.admit``)."""
+        """Fetch and preprocess; callers hold an admission slot (``admission.enter``)."""
         modality = self._check_modality(modality)
         return await self._process(await self._load(items), modality)
 
@@ -226,8 +221,6 @@ class Engine:
     async def _load(self, items: Sequence[Any]) -> list[Any]:
         self._preprocessing += 1
         try:
-            if self.faults is not None:
-                await self.faults.inject("media_load")
             return await self.media.load(items)
         finally:
             self._preprocessing -= 1
@@ -236,44 +229,29 @@ class Engine:
                        indices: Sequence[int] | None = None) -> PreprocessResult:
         self._preprocessing += 1
         try:
-            if self.faults is not None:
-                await self.faults.inject("preprocess")
-            return await self.run_sync(self.preprocessor.preprocess, loaded, modality, indices,
-                                       limiter=self._preprocess_limiter)
+            return await self.preprocess_step(loaded, modality, indices)
         finally:
             self._preprocessing -= 1
 
-    # ---- the embedding cache ----------------------------------------------
-    async def _encode_cached(self, cache: EmbeddingCache, items: Sequence[Any], modality: str,
-                             hashes: Sequence[str] | None,
-                             on_preprocessed: Callable[[PreprocessResult], None] | None,
-                             started: float) -> EncodeOutput:
-        """Look every item up; encode only the misses; answer in item order."""
-        modality = self._check_modality(modality)
+    async def _preprocess_in_thread(self, loaded: Sequence[Any], modality: str,
+                                    indices: Sequence[int] | None) -> PreprocessResult:
+        return await self.run_sync(self.preprocessor.preprocess, loaded, modality, indices,
+                                   limiter=self._preprocess_limiter)
+
+    # ---- the plan: which items need a forward (the embedding cache) -------
+    async def _plan(self, items: Sequence[Any], modality: str, hashes: Sequence[str] | None, *,
+                    use_cache: bool) -> EncodePlan:
+        """Without a cache, encode everything; with one, look every item up first."""
+        if self.cache is None or not use_cache:
+            return EncodeAll()
         given = given_names(items, hashes)
         loaded: list[Any] | None = None
+        digests: list[bytes | None] = [None] * len(items)
         if any(g is None for g in given):  # content keys need the bytes
             loaded = await self._load(items)
             digests = await self._digests(loaded, given)
-        else:  # every item is named: a full hit never loads anything
-            digests = [None] * len(items)
-        keys = [item_key(self._fingerprint, modality, given=g) if g is not None
-                else item_key(self._fingerprint, modality, digest=d) for g, d in zip(given, digests)]
-        entries: list[CacheEntry | None] = [cache.get(key) for key in keys]
-        misses = [i for i, entry in enumerate(entries) if entry is None]
-        pre = None
-        if misses:
-            if loaded is None:
-                loaded = await self._load(items)
-            pre = await self._process([loaded[i] for i in misses], modality, misses)
-            self._observe_stage("preprocess", trio.current_time() - started)
-        if on_preprocessed is not None:
-            on_preprocessed(_describe(modality, entries, pre))
-        if pre is None:
-            return _assemble(modality, entries, None, None)
-        embedding = await self.dispatcher.submit(pre)
-        store_misses(cache, keys, misses, pre, embedding)
-        return _assemble(modality, entries, pre, embedding)
+        # else every item is named: a full hit never loads anything
+        return CachePlan.look_up(self.cache, self._fingerprint, modality, given, digests, loaded)
 
     async def _digests(self, loaded: Sequence[Any], given: Sequence[str | None]) -> list[bytes | None]:
         def digests() -> list[bytes | None]:
@@ -316,22 +294,6 @@ class Engine:
         return (f"<Engine {self.encoder.family} on {self.config.device}: {s.admitted} admitted, "
                 f"{s.queued} queued, {s.requests_done} done, {s.batches_run} batches, "
                 f"{s.workers_alive}/{s.workers} workers alive>")
-
-
-def _describe(modality: str, entries: Sequence[CacheEntry | None],
-              pre: PreprocessResult | None) -> PreprocessResult:
-    """The whole request's sizes (for ``on_preprocessed``), cached items included."""
-    parts = item_parts(entries, pre)
-    return PreprocessResult(modality, dict(pre.inputs) if pre is not None else {},
-                            tuple(p.grid_thw for p in parts if p.grid_thw is not None),
-                            tuple(p.token_count for p in parts), join_extras(parts))
-
-
-def _assemble(modality: str, entries: Sequence[CacheEntry | None], pre: PreprocessResult | None,
-              embedding: Any) -> EncodeOutput:
-    parts = item_parts(entries, pre)
-    return EncodeOutput(modality, join_rows(entries, pre, embedding), [p.token_count for p in parts],
-                        [p.grid_thw for p in parts if p.grid_thw is not None], join_extras(parts))
 
 
 async def resolve_model_path(config: EngineConfig) -> Path:
