@@ -33,7 +33,7 @@ import httpx
 import trio
 from trio_util import periodic
 
-from epd_trio.bootstrap.discovery import fetch_encoder_urls
+from epd_trio.client.discovery import fetch_encoder_urls
 from epd_trio.client.answers import (
     check_message,
     check_sized_meta,
