@@ -23,7 +23,7 @@ of the failure.
 
 Fault plans (``epd_trio.testing``) wrap three seams and nothing here checks for
 one: ``router.post`` (``client_dispatch``), ``_assemble`` (``client_gather``)
-and ``demux.receive`` (``demux``).
+and ``demux.hand_off`` (``demux``).
 """
 
 from __future__ import annotations

@@ -13,8 +13,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import trio
-
 from epd_trio.client.answers import zmq_error
 from epd_trio.client.state import LiveRequest, PartState
 from epd_trio.protocol.messages import EmbeddingHeader
@@ -54,19 +52,13 @@ class Demultiplexer:
     async def run(self, pull: PullReceiver) -> None:
         """Hand each of ``pull``'s messages to its part at once; ends when it closes."""
         self._pull = pull
-        while True:
-            try:
-                header, payload = await self.receive()
-            except trio.ClosedResourceError:
-                return
-            self._deliver(header, payload)
+        async for header, payload in pull:
+            self._received += 1
+            await self.hand_off(header, payload)
 
-    async def receive(self) -> tuple[EmbeddingHeader, Payload | None]:
-        """The next well-formed message, counted (the seam fault plans wrap)."""
-        assert self._pull is not None, "receive() runs under run(pull)"
-        message = await self._pull.receive()
-        self._received += 1
-        return message
+    async def hand_off(self, header: EmbeddingHeader, payload: Payload | None) -> None:
+        """Give a message to its part, or drop it; never waits (a seam fault plans wrap)."""
+        self._deliver(header, payload)
 
     def drop(self, header: EmbeddingHeader, why: str) -> None:
         """Count a message that reaches no part."""

@@ -8,9 +8,9 @@ class's own methods, so the client has no fault branch and removing a plan
   a cancellation fails the request with ``AbortedError``.
 - ``client_gather`` — before ``client._assemble`` (received parts into a slot;
   ZMQ and inline only); likewise.
-- ``demux`` — after ``client.demux.receive`` (the PULL socket): a delay holds the
-  socket, an error loses the message (counted as dropped, as a network would
-  lose one); the demultiplexer itself never dies of it.
+- ``demux`` — before ``client.demux.hand_off`` (a received message to its part):
+  a delay holds the socket, an error loses the message (counted as dropped, as
+  a network would lose one); the demultiplexer itself never dies of it.
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING, Any
 from epd_trio.errors import AbortedError, EPDError
 
 if TYPE_CHECKING:
+    from epd_trio.client.demux import Demultiplexer
     from epd_trio.client.state import LiveRequest
     from epd_trio.testing import FaultPlan
 
 __all__ = ["install"]
 
-_SEAMS = (("router", "post"), (None, "_assemble"), ("demux", "receive"))
+_SEAMS = (("router", "post"), (None, "_assemble"), ("demux", "hand_off"))
 
 
 def install(plan: FaultPlan | None, owner: Any) -> bool:
@@ -40,8 +41,7 @@ def install(plan: FaultPlan | None, owner: Any) -> bool:
     if plan is not None:
         owner.router.post = _dispatch(plan, owner.router.post)  # type: ignore[method-assign]
         owner._assemble = _gather(plan, owner._assemble)  # type: ignore[method-assign]
-        demux = owner.demux
-        demux.receive = _demux(plan, demux.receive, demux.drop)  # type: ignore[method-assign]
+        owner.demux.hand_off = _demux(plan, owner.demux)  # type: ignore[method-assign]
     return True
 
 
@@ -64,15 +64,14 @@ def _gather(plan: FaultPlan, assemble: Callable[[LiveRequest], Awaitable[Any]]
     return assemble_with_faults
 
 
-def _demux(plan: FaultPlan, receive: Callable[[], Awaitable[Any]],
-           drop: Callable[[Any, str], None]) -> Callable[[], Awaitable[Any]]:
-    async def receive_with_faults() -> Any:
-        while True:
-            header, payload = await receive()
-            try:
-                await plan.inject("demux")
-            except EPDError:
-                drop(header, "lost to an injected fault")
-                continue
-            return header, payload
-    return receive_with_faults
+def _demux(plan: FaultPlan, demux: Demultiplexer) -> Callable[..., Awaitable[None]]:
+    hand_off = demux.hand_off
+
+    async def hand_off_with_faults(header: Any, payload: Any) -> None:
+        try:
+            await plan.inject("demux")
+        except EPDError:
+            demux.drop(header, "lost to an injected fault")
+            return
+        await hand_off(header, payload)
+    return hand_off_with_faults
