@@ -29,7 +29,6 @@ and ``demux.hand_off`` (``demux``).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import uuid
 from collections.abc import Mapping, Sequence
 from contextlib import AsyncExitStack
@@ -83,8 +82,6 @@ __all__ = [
     "advertised_endpoint",
     "open_encoder_client",
 ]
-
-log = logging.getLogger(__name__)
 
 # Copying this much (~2 ms at memcpy speed) is worth a thread hop off the trio loop.
 _COPY_IN_THREAD_BYTES: Final = 16 << 20

@@ -49,7 +49,8 @@ def _failer(req: LiveRequest) -> Callable[[], None]:
     return lambda: req.fail(AbortedError("injected cancellation", req_id=req.req_id))
 
 
-def _dispatch(plan: FaultPlan, post: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+def _dispatch(plan: FaultPlan, post: Callable[..., Awaitable[Any]]
+              ) -> Callable[..., Awaitable[Any]]:
     async def post_with_faults(http: Any, req: LiveRequest, state: Any, body: Any) -> Any:
         await plan.inject("client_dispatch", cancel=_failer(req))
         return await post(http, req, state, body)

@@ -56,7 +56,8 @@ async def test_the_parts_report_what_the_client_composes(push: PushSocketCache) 
         s = client.statistics()
         assert (s.encoders, s.retries, s.messages_received, s.parts_live) == ((E0, E1), 1, 2, 0)
         assert client.discovery is None and s.refresh_failures == 0
-        assert repr(client.router) == "<Router 2 encoders, 0 parts out, 1 retries, aborts 0 sent / 0 failed>"
+        assert repr(client.router) == \
+            "<Router 2 encoders, 0 parts out, 1 retries, aborts 0 sent / 0 failed>"
         assert repr(client.demux).endswith("0 parts live, received 2, dropped 0 (+0 malformed)>")
 
 
