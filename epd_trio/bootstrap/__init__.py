@@ -1,1 +1,1 @@
-"""The bootstrap registry: server, supervised health loop, encoder-side registration, discovery."""
+"""The bootstrap registry: server, supervised health loop, encoder-side registration."""

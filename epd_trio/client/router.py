@@ -1,0 +1,138 @@
+"""The router: where each part goes, where it goes when its encoder is unreachable,
+and how many parts each encoder has out.
+
+It applies the pure tables of ``routing`` to the live state: ``plan`` places a
+request's parts and counts them out, ``settle`` counts one back, ``post`` sends
+one ``/encode`` and moves the part to the least-loaded encoder not yet tried on
+a connect error, ``abort`` tells encoders to drop the parts of a request that
+ended early. The encoder list is replaced whole (``set_encoders``), so a
+request keeps the snapshot it was planned on; an encoder that leaves keeps its
+count while parts are still out there.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import httpx
+import trio
+
+from epd_trio.client.routing import Part, pick_fallback, plan_parts
+from epd_trio.client.state import LiveRequest, PartState
+from epd_trio.errors import PeerUnavailable
+
+__all__ = ["Router", "RouterStatistics"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouterStatistics:
+    encoders: tuple[str, ...]
+    outstanding: Mapping[str, int]  # parts in flight per encoder
+    retries: int  # parts moved to another encoder after a connect error
+    aborts_sent: int  # /abort answered 200, or 404 (the encoder was already done)
+    aborts_failed: int  # /abort unreachable or answered anything else
+
+
+class Router:
+    """The live routing state of one client; every change is synchronous (decide, then act)."""
+
+    def __init__(self, encoders: Sequence[str]) -> None:
+        self.encoders: tuple[str, ...] = tuple(encoders)
+        self._outstanding = dict.fromkeys(self.encoders, 0)
+        self._retries = 0
+        self._aborts_sent = 0
+        self._aborts_failed = 0
+
+    # ---- decisions (no I/O) -----------------------------------------------------
+    def plan(self, item_counts: Mapping[str, int]) -> list[Part]:
+        """The parts of one request over the current encoders, counted out."""
+        parts = plan_parts(item_counts, self.encoders, self._outstanding)
+        for part in parts:
+            self._outstanding[part.encoder_url] += 1
+        return parts
+
+    def settle(self, state: PartState) -> None:
+        """Count a part back in, once: its encoder no longer works on it for us."""
+        if not state.settled:
+            state.settled = True
+            self._outstanding[state.encoder_url] -= 1
+
+    def set_encoders(self, encoders: tuple[str, ...]) -> None:
+        if encoders != self.encoders:
+            log.info("encoders now: %s", ", ".join(encoders) or "none")
+        self.encoders = encoders
+        # Keep counts of encoders that left while parts are still out there.
+        self._outstanding = {**{u: n for u, n in self._outstanding.items() if n},
+                             **{u: self._outstanding.get(u, 0) for u in encoders}}
+
+    def _move(self, state: PartState, tried: list[str], exc: Exception) -> None:
+        fallback = pick_fallback(self.encoders, self._outstanding, tried)
+        if fallback is None:
+            raise PeerUnavailable(
+                f"no encoder reachable for part {state.part.part_idx}: {state.encoder_url}:"
+                f" {type(exc).__name__}: {exc}")
+        log.warning("encoder %s unreachable (%s); part %d moves to %s",
+                    state.encoder_url, exc, state.part.part_idx, fallback)
+        self._outstanding[state.encoder_url] -= 1
+        self._outstanding[fallback] += 1
+        state.encoder_url = fallback
+        self._retries += 1
+
+    # ---- I/O ----------------------------------------------------------------------
+    async def post(self, http: httpx.AsyncClient, req: LiveRequest, state: PartState,
+                   body: dict[str, Any]) -> httpx.Response:
+        """POST /encode for one part, whatever its status; a connect error moves the part."""
+        tried: list[str] = []
+        while True:
+            state.posted = True
+            try:
+                return await http.post(f"{state.encoder_url}/encode", json=body)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                state.posted = False  # it never reached that encoder
+                tried.append(state.encoder_url)
+                self._move(state, tried, exc)
+            except httpx.HTTPError as exc:
+                raise PeerUnavailable(f"{state.encoder_url} failed part {state.part.part_idx} of"
+                                      f" {req.req_id}: {type(exc).__name__}: {exc}",
+                                      req_id=req.req_id) from None
+
+    async def abort(self, http: httpx.AsyncClient, req: LiveRequest, timeout: float) -> None:
+        """Tell encoders to drop the parts they may still work on (best effort, shielded)."""
+        targets = [s for s in req.parts if s.posted and not s.answered]
+        if not targets:
+            return
+        with trio.CancelScope(shield=True) as scope:
+            scope.deadline = trio.current_time() + timeout
+            async with trio.open_nursery() as nursery:
+                for state in targets:
+                    nursery.start_soon(self._abort_one, http, req.req_id, state)
+
+    async def _abort_one(self, http: httpx.AsyncClient, req_id: str, state: PartState) -> None:
+        body = {"req_id": req_id, "part_idx": state.part.part_idx}
+        try:
+            response = await http.post(f"{state.encoder_url}/abort", json=body)
+        except (httpx.HTTPError, RuntimeError) as exc:  # RuntimeError: the client is closed
+            self._aborts_failed += 1
+            log.info("could not abort %s part %d on %s: %s", req_id, state.part.part_idx,
+                     state.encoder_url, exc)
+            return
+        if response.status_code in (200, 404):  # 404: the encoder had already finished with it
+            self._aborts_sent += 1
+        else:
+            self._aborts_failed += 1
+
+    # ---- observability ------------------------------------------------------------
+    def statistics(self) -> RouterStatistics:
+        return RouterStatistics(self.encoders, MappingProxyType(dict(self._outstanding)),
+                                self._retries, self._aborts_sent, self._aborts_failed)
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        return (f"<Router {len(s.encoders)} encoders, {sum(s.outstanding.values())} parts out,"
+                f" {s.retries} retries, aborts {s.aborts_sent} sent / {s.aborts_failed} failed>")
