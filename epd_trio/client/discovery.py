@@ -17,7 +17,7 @@ import httpx
 import trio
 from trio_util import periodic
 
-from epd_trio.bootstrap.registry import normalize_url
+from epd_trio.protocol.urls import normalize_url
 from epd_trio.errors import (
     PeerUnavailable,
     ProtocolError,

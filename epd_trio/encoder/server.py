@@ -25,7 +25,7 @@ import hypercorn.trio
 import trio
 
 from epd_trio.bootstrap.registration import Registration, open_registration
-from epd_trio.bootstrap.registry import normalize_url
+from epd_trio.protocol.urls import normalize_url
 from epd_trio._http import hypercorn_config
 from epd_trio.config import EncoderConfig
 from epd_trio.encoder.app import create_app
