@@ -68,7 +68,8 @@ class EngineConfig:
                                     "private and other non-global addresses (cloud-metadata and "
                                     "link-local ones are refused always), names checked by what "
                                     "they resolve to")
-    max_redirects: int = _opt(3, "redirects followed when fetching an item (each to an allowed host)")
+    max_redirects: int = _opt(3, "redirects followed when fetching an item (each hop checked by "
+                              "the same rules)")
     video_fps: float = _opt(2.0, "frames per second sampled from a video file (by the model's own "
                             "sampling rule); a list of frames counts as sampled at this rate")
     video_min_frames: int = _opt(4, "fewest frames sampled from a video file")
