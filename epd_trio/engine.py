@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import trio
 
 from epd_trio.cache import (
@@ -44,7 +43,7 @@ from epd_trio.config import EngineConfig
 from epd_trio.errors import RequestError
 from epd_trio.model.adapters import PreprocessResult
 from epd_trio.model.loader import LoadedEncoder, load_encoder, replicate_encoder
-from epd_trio.model.media import MediaLimits, MediaLoader
+from epd_trio.model.media import MediaLimits, MediaLoader, media_http_client
 from epd_trio.model.preprocess import EncoderPreprocessor
 from epd_trio.model.tiny import ensure_default_model
 from epd_trio.scheduling.dispatch import Admission, Dispatcher, WorkerState
@@ -364,8 +363,7 @@ async def open_engine(config: EngineConfig | None = None, **overrides: Any) -> A
         max_video_seconds=config.max_video_seconds, max_video_frames=config.max_video_frames,
         max_video_pixels=config.max_video_pixels, max_audio_seconds=config.max_audio_seconds,
     )
-    # httpx follows no redirect: the loader follows them itself, checking every hop.
-    async with httpx.AsyncClient(follow_redirects=False) as http, trio.open_nursery() as nursery:
+    async with media_http_client() as http, trio.open_nursery() as nursery:
         engine = Engine(config, encoder, MediaLoader(limits, http), replicas)
         for scheduler in engine.schedulers:
             await nursery.start(scheduler.run)

@@ -27,7 +27,8 @@ import trio
 from epd_trio.errors import PayloadTooLargeError, RequestError
 from epd_trio.model.fetch_rules import FetchRules, Pinned, Resolver, pin, resolve_host
 
-__all__ = ["MediaLimits", "MediaLoader", "decode_image", "is_frame_list", "item_error"]
+__all__ = ["MediaLimits", "MediaLoader", "decode_image", "is_frame_list", "item_error",
+           "media_http_client"]
 
 MediaItem = Any  # str | bytes | PIL.Image.Image | dict
 Loaded = Any  # bytes | PIL.Image.Image
@@ -82,6 +83,18 @@ def decode_data_uri(uri: str, index: int, max_bytes: int) -> bytes:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise item_error(index, f"undecodable base64 in data: URI ({exc})") from None
+
+
+def media_http_client() -> httpx.AsyncClient:
+    """The client a ``MediaLoader`` should fetch with: no redirects, no proxy from the environment.
+
+    The fetch rules judge the address the encoder itself connects to and pin
+    the connection to it (``fetch_rules.pin``); a proxy would make that
+    connection instead, and httpx's proxy tunnel drops the pinned TLS server
+    name. Certificate settings from the environment (``SSL_CERT_FILE``) still apply.
+    """
+    direct = {scheme: httpx.AsyncHTTPTransport() for scheme in ("http://", "https://")}
+    return httpx.AsyncClient(follow_redirects=False, mounts=direct)
 
 
 class MediaLoader:

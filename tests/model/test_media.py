@@ -20,7 +20,7 @@ from PIL import Image
 
 from conftest import png_bytes, random_image
 from epd_trio.errors import FetchRefusedError, PayloadTooLargeError, RequestError
-from epd_trio.model.media import MediaLimits, MediaLoader, decode_image
+from epd_trio.model.media import MediaLimits, MediaLoader, decode_image, media_http_client
 from media_server import NO_LENGTH, FakeDNS, MediaServer, Route, redirect
 
 
@@ -38,13 +38,13 @@ def png_header_only(width: int, height: int) -> bytes:
 
 @asynccontextmanager
 async def web_client(seen: list[str] | None = None) -> AsyncIterator[httpx.AsyncClient]:
-    """The engine's kind of client; ``seen`` records every request it sends (no proxy from the env)."""
+    """The engine's client; ``seen`` records every request it sends."""
     async def record(request: httpx.Request) -> None:
         if seen is not None:
             seen.append(str(request.url))
 
-    async with httpx.AsyncClient(follow_redirects=False, trust_env=False,
-                                 event_hooks={"request": [record]}) as http:
+    async with media_http_client() as http:
+        http.event_hooks = {"request": [record]}
         yield http
 
 
@@ -104,6 +104,18 @@ async def test_a_name_is_resolved_once_and_the_checked_address_is_used(web: Medi
     assert seen == [web.url("/x.png")]  # the address, not the name
     assert web.requests == [("/x.png", web.requests[0][1])]
     assert web.requests[0][1]["host"] == f"media.test:{web.port}"  # the server still sees the name
+
+
+async def test_proxies_from_the_environment_are_not_used(web: MediaServer,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rules judge (and pin) the encoder's own connection; a proxy would make it elsewhere."""
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    web.routes["/x.png"] = Route(body=b"pixels")
+    assert await load([web.url("/x.png", host="media.test")],
+                      dns=FakeDNS({"media.test": ["127.0.0.1"]})) == [b"pixels"]
 
 
 async def test_size_caps_and_lying_content_lengths(web: MediaServer) -> None:
