@@ -62,8 +62,14 @@ class EngineConfig:
     max_request_pixels: int = _opt(160_000_000, "most pixels of all images of one request together, "
                                    "checked on their headers before any is decoded")
     fetch_allow_hosts: tuple[str, ...] = _opt((), "hosts http(s) items may be fetched from "
-                                              "(example.com also allows its subdomains); empty: any")
-    max_redirects: int = _opt(3, "redirects followed when fetching an item (each to an allowed host)")
+                                              "(example.com also allows its subdomains); empty: "
+                                              "any (the address rules still apply)")
+    fetch_deny_private: bool = _opt(False, "also refuse http(s) items and redirects to loopback, "
+                                    "private and other non-global addresses (cloud-metadata and "
+                                    "link-local ones are refused always), names checked by what "
+                                    "they resolve to")
+    max_redirects: int = _opt(3, "redirects followed when fetching an item (each hop checked by "
+                              "the same rules)")
     video_fps: float = _opt(2.0, "frames per second sampled from a video file (by the model's own "
                             "sampling rule); a list of frames counts as sampled at this rate")
     video_min_frames: int = _opt(4, "fewest frames sampled from a video file")

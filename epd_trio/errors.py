@@ -8,6 +8,7 @@
     │   ├── UnknownRequestError (404)
     │   ├── ConflictError (409)        the server is in the wrong state for it
     │   │   └── DuplicateRequestError (409)
+    │   ├── FetchRefusedError (400)   a media URL the fetch rules refuse; nothing was fetched
     │   ├── PayloadTooLargeError (413)
     │   └── HeadersTooLargeError (431)
     ├── OverloadedError (503)          admission refused: queue full
@@ -37,6 +38,7 @@ __all__ = [
     "EPDError",
     "EncodeError",
     "EncodeTimeout",
+    "FetchRefusedError",
     "HeadersTooLargeError",
     "ModelLoadError",
     "NotReadyError",
@@ -92,6 +94,12 @@ class ConflictError(RequestError):
 
 class DuplicateRequestError(ConflictError):
     status_code = 409
+
+
+class FetchRefusedError(RequestError):
+    """A media URL (or a redirect hop) the fetch rules refuse, before any connection to it."""
+
+    status_code = 400
 
 
 class PayloadTooLargeError(RequestError):

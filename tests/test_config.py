@@ -60,3 +60,10 @@ def test_readme_config_table_is_current() -> None:
 def test_bad_media_settings_say_which(env: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         config_from_env(EngineConfig, env)
+
+
+def test_fetch_deny_private_flag_and_variable() -> None:
+    assert EngineConfig().fetch_deny_private is False  # loopback and private media servers work by default
+    assert config_from_env(EngineConfig, {"EPD_FETCH_DENY_PRIVATE": "1"}).fetch_deny_private is True
+    assert parse(["--fetch-deny-private"], {}).fetch_deny_private is True
+    assert parse(["--no-fetch-deny-private"], {"EPD_FETCH_DENY_PRIVATE": "yes"}).fetch_deny_private is False

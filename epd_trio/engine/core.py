@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import httpx
 import trio
 
 from epd_trio.config import EngineConfig
@@ -39,7 +38,7 @@ from epd_trio.engine.plan import CachePlan, EncodeAll, EncodeOutput, EncodePlan,
 from epd_trio.errors import RequestError
 from epd_trio.model.adapters import PreprocessResult
 from epd_trio.model.loader import LoadedEncoder, load_encoder, replicate_encoder
-from epd_trio.model.media import MediaLimits, MediaLoader
+from epd_trio.model.media import MediaLimits, MediaLoader, media_http_client
 from epd_trio.model.preprocess import EncoderPreprocessor
 from epd_trio.model.tiny import ensure_default_model
 from epd_trio.scheduling.dispatch import Admission, Dispatcher, WorkerState
@@ -321,13 +320,12 @@ async def open_engine(config: EngineConfig | None = None, **overrides: Any) -> A
         max_item_bytes=config.max_item_bytes, max_image_pixels=config.max_image_pixels,
         fetch_timeout=config.fetch_timeout, max_request_pixels=config.max_request_pixels,
         fetch_allow_hosts=tuple(h.lower().rstrip(".") for h in config.fetch_allow_hosts),
-        max_redirects=config.max_redirects,
+        fetch_deny_private=config.fetch_deny_private, max_redirects=config.max_redirects,
         media_root=Path(config.media_root) if config.media_root else None,
         max_video_seconds=config.max_video_seconds, max_video_frames=config.max_video_frames,
         max_video_pixels=config.max_video_pixels, max_audio_seconds=config.max_audio_seconds,
     )
-    # Redirects are not followed: a URL is fetched from where it says.
-    async with httpx.AsyncClient(follow_redirects=False) as http, trio.open_nursery() as nursery:
+    async with media_http_client() as http, trio.open_nursery() as nursery:
         engine = Engine(config, encoder, MediaLoader(limits, http), replicas)
         for scheduler in engine.schedulers:
             await nursery.start(scheduler.run)

@@ -5,8 +5,8 @@ configured media root), raw bytes, a PIL image, a video's frames (a list of PIL
 images or arrays, or one 4-D array; in-process callers only), or
 ``{"url": ..., "content_hash": ...}``. Images are decoded here; videos in
 ``video.py``, audio in ``audio.py``.
-Fetching is async (trio + httpx) and bounded in bytes and time; decoding is
-blocking and runs in the preprocessing thread. Every failure is a
+Fetching is async (trio + httpx), bounded in bytes and time, and every hop is
+checked by ``fetch_rules`` before it connects; decoding is blocking and runs in the preprocessing thread. Every failure is a
 ``RequestError`` that names the item's index and the reason.
 """
 
@@ -25,8 +25,10 @@ import httpx
 import trio
 
 from epd_trio.errors import PayloadTooLargeError, RequestError
+from epd_trio.model.fetch_rules import FetchRules, Pinned, Resolver, pin, resolve_host
 
-__all__ = ["MediaLimits", "MediaLoader", "decode_image", "is_frame_list", "item_error"]
+__all__ = ["MediaLimits", "MediaLoader", "decode_image", "is_frame_list", "item_error",
+           "media_http_client"]
 
 MediaItem = Any  # str | bytes | PIL.Image.Image | dict
 Loaded = Any  # bytes | PIL.Image.Image
@@ -41,8 +43,11 @@ class MediaLimits:
     max_request_pixels: int = 160_000_000  # all images of one request together
     fetch_timeout: float = 10.0
     # Hosts http(s) items may come from ("example.com" also allows its
-    # subdomains); empty: any. Redirects are followed only to allowed hosts.
+    # subdomains); empty: any. The address rules apply on top (fetch_rules.py):
+    # metadata and link-local always refused, private ones with deny_private.
+    # Every redirect hop is checked the same way.
     fetch_allow_hosts: tuple[str, ...] = ()
+    fetch_deny_private: bool = False
     max_redirects: int = 3
     media_root: Path | None = None
     # Video: the source's length (checked on the container before decoding)
@@ -80,12 +85,27 @@ def decode_data_uri(uri: str, index: int, max_bytes: int) -> bytes:
         raise item_error(index, f"undecodable base64 in data: URI ({exc})") from None
 
 
+def media_http_client() -> httpx.AsyncClient:
+    """The client a ``MediaLoader`` should fetch with: no redirects, no proxy from the environment.
+
+    The fetch rules judge the address the encoder itself connects to and pin
+    the connection to it (``fetch_rules.pin``); a proxy would make that
+    connection instead, and httpx's proxy tunnel drops the pinned TLS server
+    name. Certificate settings from the environment (``SSL_CERT_FILE``) still apply.
+    """
+    direct = {scheme: httpx.AsyncHTTPTransport() for scheme in ("http://", "https://")}
+    return httpx.AsyncClient(follow_redirects=False, mounts=direct)
+
+
 class MediaLoader:
     """Turns items into bytes or images; owns the HTTP client used for URLs."""
 
-    def __init__(self, limits: MediaLimits, http: httpx.AsyncClient) -> None:
+    def __init__(self, limits: MediaLimits, http: httpx.AsyncClient,
+                 resolve: Resolver = resolve_host) -> None:
         self.limits = limits
         self._http = http
+        self._resolve = resolve
+        self._rules = FetchRules(limits.fetch_allow_hosts, limits.fetch_deny_private)
 
     async def load(self, items: Sequence[MediaItem]) -> list[Loaded]:
         """Fetch every item concurrently; the first failure cancels the rest."""
@@ -121,22 +141,26 @@ class MediaLoader:
             raise item_error(index, f"URL scheme {scheme!r} is not allowed (use data:, http, https)")
         return await self._read_local(index, item)
 
-    def _check_url(self, index: int, url: httpx.URL) -> None:
+    async def _check(self, index: int, url: httpx.URL) -> Pinned:
+        """The rules for one hop, before anything connects to it."""
         if url.scheme not in ("http", "https"):
             raise item_error(index, f"URL scheme {url.scheme!r} is not allowed (use data:, http, https)")
-        allowed = self.limits.fetch_allow_hosts
-        host = (url.host or "").lower().rstrip(".")
-        if allowed and not any(host == a or host.endswith("." + a) for a in allowed):
-            raise item_error(index, f"host {host!r} is not in the encoder's fetch allow-list")
+        try:
+            return await pin(url, self._rules, self._resolve)
+        except RequestError as exc:  # FetchRefusedError stays one: the rule refused it
+            raise type(exc)(f"item {index}: {exc.message}") from None
 
     async def _fetch(self, index: int, url: str) -> bytes:
-        """GET with a time and size bound; redirects followed by hand, each hop checked."""
+        """GET with a time and size bound; redirects followed by hand, each hop checked.
+
+        The deadline covers the name lookups too.
+        """
         try:
             with trio.fail_after(self.limits.fetch_timeout):
                 target = httpx.URL(url)
                 for _ in range(self.limits.max_redirects + 1):
-                    self._check_url(index, target)
-                    body = await self._get(index, target)
+                    hop = await self._check(index, target)
+                    body = await self._get(index, target, hop)
                     if isinstance(body, bytes):
                         return body
                     target = target.join(body)  # a redirect's Location, checked next round
@@ -148,22 +172,41 @@ class MediaLoader:
         except httpx.HTTPError as exc:
             raise item_error(index, f"fetching {url} failed: {type(exc).__name__}") from None
 
-    async def _get(self, index: int, url: httpx.URL) -> bytes | str:
-        """The body, or the Location of a redirect."""
+    async def _get(self, index: int, url: httpx.URL, hop: Pinned) -> bytes | str:
+        """The body, or the Location of a redirect; ``url`` is what the caller named."""
         limit = self.limits.max_item_bytes
-        async with self._http.stream("GET", url) as response:
+        async with self._http.stream("GET", hop.url, headers=hop.headers,
+                                     extensions=hop.extensions) as response:
             if response.is_redirect and "location" in response.headers:
                 return response.headers["location"]
             if response.status_code != 200:
                 raise item_error(index, f"fetching {url} gave HTTP {response.status_code}")
-            chunks, size = [], 0
+            declared = response.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > limit:
+                raise PayloadTooLargeError(f"item {index}: {url} is {declared} bytes by its "
+                                           f"Content-Length, over {limit} bytes")
+            return await self._read_body(index, url, response)
+
+    async def _read_body(self, index: int, url: httpx.URL, response: httpx.Response) -> bytes:
+        """The body, up to the size cap.
+
+        httpx's body iterators are nested async generators (encode/httpx#3593):
+        leaving the loop early would abandon the inner ones, unclosed. Over the
+        cap, cancelling instead unwinds them all from the innermost read.
+        """
+        limit = self.limits.max_item_bytes
+        chunks, size = [], 0
+        with trio.CancelScope() as reading:
             async with aclosing(response.aiter_bytes()) as body:
                 async for chunk in body:
                     size += len(chunk)
                     if size > limit:
-                        raise PayloadTooLargeError(f"item {index}: {url} is over {limit} bytes")
+                        reading.cancel()
+                        continue
                     chunks.append(chunk)
-            return b"".join(chunks)
+        if size > limit:
+            raise PayloadTooLargeError(f"item {index}: {url} is over {limit} bytes")
+        return b"".join(chunks)
 
     async def _read_local(self, index: int, path: str) -> bytes:
         root = self.limits.media_root

@@ -177,12 +177,16 @@ def make_tiny_model(directory: str | Path, spec: TinySpec | None = None) -> Path
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     config = _config(spec)
-    torch.manual_seed(spec.seed)
     dtype = getattr(torch, spec.dtype)
-    if spec.arch == "qwen2_audio":  # no Auto class builds it from a config
-        model = transformers.Qwen2AudioForConditionalGeneration._from_config(config, dtype=dtype)
-    else:
-        model = transformers.AutoModelForImageTextToText.from_config(config, dtype=dtype)
+    # Weight init draws from torch's global CPU generator (from_config takes no
+    # generator): seed it inside a fork, so the weights depend on spec.seed only
+    # and the caller's random state is the same afterwards.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        if spec.arch == "qwen2_audio":  # no Auto class builds it from a config
+            model = transformers.Qwen2AudioForConditionalGeneration._from_config(config, dtype=dtype)
+        else:
+            model = transformers.AutoModelForImageTextToText.from_config(config, dtype=dtype)
     model.save_pretrained(out)
     for processor in _processors(spec):
         processor.save_pretrained(out)

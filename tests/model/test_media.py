@@ -1,4 +1,7 @@
-"""Bad media of every kind → RequestError naming the item; good media loads."""
+"""Bad media of every kind → RequestError naming the item; good media loads.
+
+URLs are fetched from a real HTTP server on a loopback port (``media_server.py``).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,8 @@ import base64
 import io
 import struct
 import zlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
@@ -14,8 +19,9 @@ import trio
 from PIL import Image
 
 from conftest import png_bytes, random_image
-from epd_trio.errors import PayloadTooLargeError, RequestError
-from epd_trio.model.media import MediaLimits, MediaLoader, decode_image
+from epd_trio.errors import FetchRefusedError, PayloadTooLargeError, RequestError
+from epd_trio.model.media import MediaLimits, MediaLoader, decode_image, media_http_client
+from media_server import NO_LENGTH, FakeDNS, MediaServer, Route, redirect
 
 
 def data_uri(data: bytes, mime: str = "image/png") -> str:
@@ -30,25 +36,36 @@ def png_header_only(width: int, height: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
 
 
-def fake_web(routes: dict[str, tuple[int, bytes]]) -> httpx.AsyncClient:
-    def handler(request: httpx.Request) -> httpx.Response:
-        status, body = routes.get(str(request.url), (404, b"not found"))
-        return httpx.Response(status, content=body)
+@asynccontextmanager
+async def web_client(seen: list[str] | None = None) -> AsyncIterator[httpx.AsyncClient]:
+    """The engine's client; ``seen`` records every request it sends."""
+    async def record(request: httpx.Request) -> None:
+        if seen is not None:
+            seen.append(str(request.url))
 
-    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    async with media_http_client() as http:
+        http.event_hooks = {"request": [record]}
+        yield http
 
 
-async def load(items: list, limits: MediaLimits = MediaLimits(), web: dict | None = None) -> list:
-    async with fake_web(web or {}) as http:
-        return await MediaLoader(limits, http).load(items)
+async def load(items: list, limits: MediaLimits = MediaLimits(), dns: FakeDNS | None = None,
+               seen: list[str] | None = None) -> list:
+    async with web_client(seen) as http:
+        return await MediaLoader(limits, http, dns or FakeDNS({})).load(items)
 
 
-async def test_every_kind_of_good_item(tmp_path: Path) -> None:
+@pytest.fixture
+async def web(nursery: trio.Nursery) -> MediaServer:
+    return await MediaServer().start(nursery)
+
+
+async def test_every_kind_of_good_item(tmp_path: Path, web: MediaServer) -> None:
     raw = png_bytes(40, 30)
     (tmp_path / "a.png").write_bytes(raw)
-    items = [data_uri(raw), raw, random_image(8, 8), "http://media.test/x.png",
+    web.routes["/x.png"] = Route(body=raw)
+    items = [data_uri(raw), raw, random_image(8, 8), web.url("/x.png"),
              {"url": data_uri(raw), "content_hash": "abc"}, "a.png"]
-    out = await load(items, MediaLimits(media_root=tmp_path), {"http://media.test/x.png": (200, raw)})
+    out = await load(items, MediaLimits(media_root=tmp_path))
     assert out[0] == out[1] == out[3] == out[4] == out[5] == raw
     assert isinstance(out[2], Image.Image)
 
@@ -62,7 +79,8 @@ BAD = [
     ("local path without a media root", ["/etc/passwd"], "item 0: local paths are not allowed"),
     ("unsupported type", [12345], "item 0: unsupported item type int"),
     ("object without url", [{"content_hash": "x"}], "item 0: an item object needs a string 'url'"),
-    ("http 404", ["http://media.test/missing.png"], "item 0: fetching .* gave HTTP 404"),
+    ("unknown name", ["http://nowhere.test/a.png"], r"item 0: cannot resolve host 'nowhere.test' \(gaierror\)"),
+    ("no host", ["http://:80/a.png"], "item 0: the URL has no host"),
 ]
 
 
@@ -72,21 +90,86 @@ async def test_bad_items(name: str, items: list, message: str) -> None:
         await load(items)
 
 
-async def test_fetch_over_size_limit() -> None:
-    web = {"http://media.test/big": (200, b"x" * 5000)}
-    with pytest.raises(PayloadTooLargeError, match="item 0: .* over 1000 bytes"):
-        await load(["http://media.test/big"], MediaLimits(max_item_bytes=1000), web)
+async def test_http_error_status(web: MediaServer) -> None:
+    with pytest.raises(RequestError, match="item 0: fetching .*/missing.png gave HTTP 404"):
+        await load([web.url("/missing.png")])
+
+
+async def test_a_name_is_resolved_once_and_the_checked_address_is_used(web: MediaServer) -> None:
+    """``media.test`` has no real DNS: the fetch works only by connecting to the address checked."""
+    web.routes["/x.png"] = Route(body=b"pixels")
+    dns, seen = FakeDNS({"media.test": ["127.0.0.1"]}), []
+    assert await load([web.url("/x.png", host="media.test")], dns=dns, seen=seen) == [b"pixels"]
+    assert dns.asked == ["media.test"]
+    assert seen == [web.url("/x.png")]  # the address, not the name
+    assert web.requests == [("/x.png", web.requests[0][1])]
+    assert web.requests[0][1]["host"] == f"media.test:{web.port}"  # the server still sees the name
+
+
+async def test_proxies_from_the_environment_are_not_used(web: MediaServer,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rules judge (and pin) the encoder's own connection; a proxy would make it elsewhere."""
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    web.routes["/x.png"] = Route(body=b"pixels")
+    assert await load([web.url("/x.png", host="media.test")],
+                      dns=FakeDNS({"media.test": ["127.0.0.1"]})) == [b"pixels"]
+
+
+async def test_size_caps_and_lying_content_lengths(web: MediaServer) -> None:
+    limits = MediaLimits(max_item_bytes=1000)
+    web.routes.update({
+        "/big": Route(body=b"x" * 5000),                                   # honest, over the cap
+        "/claims-huge": Route(body=b"x" * 10, content_length=10**12),      # lies upwards
+        "/no-length": Route(body=b"x" * 5000, content_length=NO_LENGTH),   # ends at close
+        "/understates": Route(body=b"x" * 5000, content_length=500),       # lies downwards
+        "/truncated": Route(body=b"x" * 50, content_length=100),           # promises more than it sends
+    })
+    with pytest.raises(PayloadTooLargeError, match="item 0: .* is 5000 bytes by its Content-Length, over 1000"):
+        await load([web.url("/big")], limits)
+    with pytest.raises(PayloadTooLargeError, match="is 1000000000000 bytes by its Content-Length"):
+        await load([web.url("/claims-huge")], limits)
+    with pytest.raises(PayloadTooLargeError, match="item 0: .*/no-length is over 1000 bytes"):
+        await load([web.url("/no-length")], limits)
+    assert await load([web.url("/understates")], limits) == [b"x" * 500]  # framed by what it said
+    with pytest.raises(RequestError, match="item 0: fetching .*/truncated failed: RemoteProtocolError"):
+        await load([web.url("/truncated")], limits)
     with pytest.raises(PayloadTooLargeError, match="item 1: data URI"):
-        await load([png_bytes(4, 4), data_uri(b"y" * 5000)], MediaLimits(max_item_bytes=1000))
+        await load([png_bytes(4, 4), data_uri(b"y" * 5000)], limits)
 
 
-async def test_fetch_timeout(autojump_clock: trio.testing.MockClock) -> None:
-    async def slow(request: httpx.Request) -> httpx.Response:
-        await trio.sleep(60)
-        return httpx.Response(200, content=b"late")
+async def test_a_trickling_body_is_cut_at_the_fetch_timeout(
+        autojump_clock: trio.testing.MockClock, web: MediaServer) -> None:
+    web.routes["/trickle"] = Route(body=b"x" * 100, trickle=1.0)   # one byte a second
+    web.routes["/slow-but-done"] = Route(body=b"abc", trickle=1.0)
+    web.routes["/stall"] = Route(body=b"never", stall=True)
+    limits = MediaLimits(fetch_timeout=5.0)
+    t0 = trio.current_time()
+    assert await load([web.url("/slow-but-done")], limits) == [b"abc"]
+    assert trio.current_time() - t0 == 2.0
+    for path in ("/trickle", "/stall"):
+        t0 = trio.current_time()
+        with pytest.raises(RequestError, match=f"item 0: fetching .*{path} took over 5.0 s"):
+            await load([web.url(path)], limits)
+        assert trio.current_time() - t0 == 5.0
 
+
+async def test_name_resolution_is_under_the_fetch_timeout(autojump_clock: trio.testing.MockClock) -> None:
+    """The real resolver (trio's getaddrinfo, here answered by a resolver that never answers)."""
+
+    class Hanging(trio.abc.HostnameResolver):
+        async def getaddrinfo(self, *args: object) -> list:
+            await trio.sleep_forever()
+            raise AssertionError
+
+        async def getnameinfo(self, *args: object) -> tuple[str, str]:
+            raise AssertionError
+
+    trio.socket.set_custom_hostname_resolver(Hanging())
     limits = MediaLimits(fetch_timeout=2.0)
-    async with httpx.AsyncClient(transport=httpx.MockTransport(slow)) as http:
+    async with web_client() as http:
         t0 = trio.current_time()
         with pytest.raises(RequestError, match=r"item 0: fetching .* took over 2.0 s"):
             await MediaLoader(limits, http).load(["http://media.test/slow"])
@@ -148,34 +231,66 @@ async def test_frame_lists_pass_through_the_loader_untouched() -> None:
         decode_image(frames, 0, MediaLimits())
 
 
-def redirecting_web(routes: dict[str, tuple[int, bytes, dict[str, str]]]) -> httpx.AsyncClient:
-    def handler(request: httpx.Request) -> httpx.Response:
-        status, body, headers = routes.get(str(request.url), (404, b"", {}))
-        return httpx.Response(status, content=body, headers=headers)
+async def test_a_redirect_chain_is_followed_up_to_the_limit(web: MediaServer) -> None:
+    web.routes.update({"/r1": redirect("/r2"), "/r2": redirect(web.url("/r3", host="media.test"), 301),
+                       "/r3": redirect("/img", 307), "/img": Route(body=b"pixels")})
+    dns, seen = FakeDNS({"media.test": ["127.0.0.1"]}), []
+    assert await load([web.url("/r1")], MediaLimits(max_redirects=3), dns, seen) == [b"pixels"]
+    assert [path for path, _ in web.requests] == ["/r1", "/r2", "/r3", "/img"]
+    assert web.requests[2][1]["host"] == web.requests[3][1]["host"] == f"media.test:{web.port}"
+    assert dns.asked == ["media.test", "media.test"]  # once per hop on that name
+    with pytest.raises(RequestError, match=r"item 0: fetching .*/r1 took over 2 redirects"):
+        await load([web.url("/r1")], MediaLimits(max_redirects=2), dns)
 
-    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
 
-
-async def test_allow_list_and_redirects() -> None:
+async def test_redirects_to_refused_places_connect_to_nothing(web: MediaServer) -> None:
     raw = png_bytes(8, 8)
-    routes = {
-        "http://cdn.ok.test/a.png": (200, raw, {}),
-        "http://ok.test/hop": (302, b"", {"location": "http://cdn.ok.test/a.png"}),
-        "http://ok.test/evil": (302, b"", {"location": "http://169.254.169.254/latest"}),
-        "http://ok.test/file": (302, b"", {"location": "file:///etc/passwd"}),
-        "http://ok.test/loop": (302, b"", {"location": "/loop"}),
-    }
+    ok = web.url("/a.png", host="cdn.ok.test")
+    web.routes.update({
+        "/a.png": Route(body=raw),
+        "/hop": redirect(ok),
+        "/metadata": redirect("http://169.254.169.254/latest/meta-data/"),
+        "/metadata-name": redirect("http://meta.ok.test/latest/meta-data/"),
+        "/link-local-v6": redirect("http://[fe80::1]/"),
+        "/file": redirect("file:///etc/passwd"),
+        "/elsewhere": redirect("http://elsewhere.test/a.png"),
+        "/loop": redirect("/loop"),
+    })
+    dns = FakeDNS({"ok.test": ["127.0.0.1"], "cdn.ok.test": ["127.0.0.1"],
+                   "meta.ok.test": ["169.254.169.254"]})
     limits = MediaLimits(fetch_allow_hosts=("ok.test",), max_redirects=3)
-    async with redirecting_web(routes) as http:
-        loader = MediaLoader(limits, http)
-        assert await loader.load(["http://ok.test/hop"]) == [raw]  # followed, to an allowed subdomain
-        for url, message in [("http://elsewhere.test/a.png", "not in the encoder's fetch allow-list"),
-                             ("http://ok.test/evil", "'169.254.169.254' is not in the"),
-                             ("http://ok.test/file", "URL scheme 'file'"),
-                             ("http://ok.test/loop", "over 3 redirects"),
-                             ("http://notok.test.attacker/a.png", "not in the encoder's fetch allow-list")]:
-            with pytest.raises(RequestError, match=message):
-                await loader.load([url])
+    start = web.url("/hop", host="ok.test")
+    assert await load([start], limits, dns) == [raw]  # followed, to an allowed subdomain
+    for path, error, message in [
+        ("/metadata", FetchRefusedError, "169.254.169.254 is a cloud metadata address .refused always."),
+        ("/metadata-name", FetchRefusedError, "host 'meta.ok.test' resolves to a cloud metadata address"),
+        ("/link-local-v6", FetchRefusedError, "fe80::1 is link-local .refused always."),
+        ("/elsewhere", FetchRefusedError, "host 'elsewhere.test' is not in the encoder's fetch allow-list"),
+        ("/file", RequestError, "URL scheme 'file'"),
+        ("/loop", RequestError, "over 3 redirects"),
+    ]:
+        seen: list[str] = []
+        with pytest.raises(error, match="item 0: .*" + message) as info:
+            await load([web.url(path, host="ok.test")], limits, dns, seen)
+        assert info.value.status_code == 400
+        if path != "/loop":  # the one hop to our server, and nothing to where it pointed
+            assert seen == [web.url(path)], path
+    with pytest.raises(FetchRefusedError, match="item 0: host 'notok.test.attacker' is not in the"):
+        await load(["http://notok.test.attacker/a.png"], limits, dns)
+    assert "notok.test.attacker" not in dns.asked and "elsewhere.test" not in dns.asked
+
+
+async def test_deny_private_refuses_loopback_before_connecting(web: MediaServer) -> None:
+    web.routes["/x.png"] = Route(body=b"pixels")
+    limits = MediaLimits(fetch_deny_private=True)
+    for url, message in [(web.url("/x.png"), "127.0.0.1 is loopback"),
+                         (web.url("/x.png", host="[::1]"), "::1 is loopback"),
+                         (web.url("/x.png", host="localhost"), "host 'localhost' resolves to loopback")]:
+        async with web_client() as http:  # the real resolver: localhost from the system's hosts file
+            with pytest.raises(FetchRefusedError, match=message + r" \(refused by --fetch-deny-private\)"):
+                await MediaLoader(limits, http).load([url])
+    assert web.connections == 0
+    assert await load([web.url("/x.png")]) == [b"pixels"]  # allowed by default
 
 
 def test_request_pixel_cap_checks_headers_first(qwen25_path: str) -> None:
