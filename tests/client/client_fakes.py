@@ -43,7 +43,6 @@ class Behaviour:
 
     kind: str = "ok"
     error: EPDError = field(default_factory=lambda: RequestError("item 0: cannot decode"))
-    delay: float = 0.0
 
 
 def item_bytes(n: int) -> bytes:
@@ -110,7 +109,7 @@ class FakeEncoders:
             raise
 
     async def _encode(self, behaviour: Behaviour, body: dict) -> httpx.Response:
-        await trio.sleep(behaviour.delay)
+        await trio.lowlevel.checkpoint()
         endpoint = body["deliver"]["endpoint"]
         rid, idx, n, modality = body["req_id"], body["part_idx"], body["num_parts"], body["modality"]
         if behaviour.kind == "hang":
