@@ -2,13 +2,15 @@
 
 Each fake follows a script (``Behaviour``) and records what it was asked, so a
 test can check the client's requests, aborts and the exact tensors it pushed.
+Its answers and ZMQ headers have the real encoder's shape (``extras`` for videos
+included): ``test_client_fakes_contract.py`` checks them against a real encoder's.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 import httpx
@@ -17,6 +19,7 @@ import trio
 
 from epd_trio.errors import EPDError, RequestError, error_body, http_status
 from epd_trio.protocol import encode_zmq_message, error_message, header_for
+from epd_trio.protocol.requests import EncodeMeta
 from epd_trio.transport import PushSocketCache
 
 DIM = 8
@@ -34,12 +37,12 @@ class Behaviour:
     nothing · zmq_error: push an error message, then never answer · hang: never
     answer · down: refuse the connection · bad_meta: like ok, but the 200
     answer's token count is off by one · twice: like ok, then push a second,
-    different message for the same part and answer a little later.
+    different message for the same part, await ``FakeEncoders.before_answer``
+    (the test's proof that both arrived while the part was live), then answer.
     """
 
     kind: str = "ok"
     error: EPDError = field(default_factory=lambda: RequestError("item 0: cannot decode"))
-    delay: float = 0.0
 
 
 def item_bytes(n: int) -> bytes:
@@ -58,6 +61,13 @@ def grid_of(tokens: int, modality: str) -> list[int] | None:
     return None if modality == "audio" else [1, 2, tokens * 2]
 
 
+def extras_of(items: list[bytes], modality: str) -> dict[str, list[float]]:
+    """Per-item extras as a Qwen2.5-VL encoder sends them: for videos only."""
+    if modality != "video":
+        return {}
+    return {"second_per_grid_ts": [0.5 * (1 + data[0] % 4) for data in items]}
+
+
 def decode_item(item: str) -> bytes:
     header, _, payload = item.partition(",")
     assert header.startswith("data:") and header.endswith(";base64"), header
@@ -72,6 +82,8 @@ class FakeEncoders:
         self.abort_calls: list[tuple[str, dict]] = []
         self.cancelled: list[tuple[str, int]] = []  # (url, part_idx) handlers cut short
         self.sent: dict[tuple[str, int], torch.Tensor] = {}
+        # "twice" awaits this between its second push and its answer.
+        self.before_answer: Callable[[], Awaitable[None]] = trio.lowlevel.checkpoint
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
@@ -97,7 +109,7 @@ class FakeEncoders:
             raise
 
     async def _encode(self, behaviour: Behaviour, body: dict) -> httpx.Response:
-        await trio.sleep(behaviour.delay)
+        await trio.lowlevel.checkpoint()
         endpoint = body["deliver"]["endpoint"]
         rid, idx, n, modality = body["req_id"], body["part_idx"], body["num_parts"], body["modality"]
         if behaviour.kind == "hang":
@@ -107,23 +119,24 @@ class FakeEncoders:
         if behaviour.kind == "zmq_error":
             await self.push.send(endpoint, error_message(rid, idx, n, modality, behaviour.error), 5)
             await trio.sleep_forever()
-        items = [item_embedding(decode_item(i), modality) for i in body["mm_items"]]
+        datas = [decode_item(i) for i in body["mm_items"]]
+        items = [item_embedding(data, modality) for data in datas]
         tensor = torch.cat(items)
         counts = [t.shape[0] for t in items]
         grids = [g for c in counts if (g := grid_of(c, modality)) is not None]
+        extras = extras_of(datas, modality)
         header = header_for(tensor, req_id=rid, part_idx=idx, num_parts=n, modality=modality,
-                            token_counts=counts, grid_thw=grids)
+                            token_counts=counts, grid_thw=grids, extras=extras)
         self.sent[(rid, idx)] = tensor
         await self.push.send(endpoint, encode_zmq_message(header, tensor, frame_bytes=FRAME_BYTES), 5)
         if behaviour.kind == "twice":
             await self.push.send(endpoint, encode_zmq_message(header, tensor + 1, frame_bytes=FRAME_BYTES), 5)
-            await trio.sleep(0.05)  # the duplicate most likely arrives while the part is live
+            await self.before_answer()
         tokens = tensor.shape[0] + (1 if behaviour.kind == "bad_meta" else 0)
-        return httpx.Response(200, json={
-            "req_id": rid, "part_idx": idx, "num_parts": n, "modality": modality,
-            "tokens": tokens, "dim": DIM, "dtype": str(tensor.dtype).removeprefix("torch."),
-            "token_counts": counts, "grid_thw": grids,
-        })
+        meta = EncodeMeta(req_id=rid, part_idx=idx, num_parts=n, modality=modality, tokens=tokens,
+                          dim=DIM, dtype=str(tensor.dtype).removeprefix("torch."),
+                          token_counts=counts, grid_thw=grids, extras=extras)
+        return httpx.Response(200, json=meta.to_json())
 
 
 def expected(items: Iterable[bytes], modality: str) -> torch.Tensor:

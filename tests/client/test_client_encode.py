@@ -15,7 +15,7 @@ import trio
 import trio.testing
 from PIL import Image
 
-from client_fakes import DIM, Behaviour, FakeEncoders, decode_item, expected, item_bytes
+from client_fakes import DIM, Behaviour, FakeEncoders, decode_item, expected, extras_of, item_bytes
 from epd_trio.client import ClientConfig, EncoderClient, RemoteEncodeError, open_encoder_client
 from epd_trio.client.client import advertised_endpoint
 from epd_trio.errors import (
@@ -136,6 +136,9 @@ async def test_modalities_are_laid_out_modality_major_with_their_own_dtypes(make
             assert [(it.modality, it.index) for it in result.items] == \
                 [("image", 0), ("image", 1), ("image", 2), ("video", 0), ("video", 1), ("audio", 0)]
             assert result.items[-1].grid_thw is None and result.grid_thw["audio"] == []
+            # per-item extras (the real encoder sends them for videos) reach each item
+            assert [it.extras for it in result.items] == [{}] * 3 + [
+                {"second_per_grid_ts": v} for v in extras_of(vids, "video")["second_per_grid_ts"]] + [{}]
             starts = [result.embeddings[m].data_ptr() for m in ("image", "video", "audio")]
             assert starts == sorted(starts)
         assert_clean(client)
@@ -253,10 +256,18 @@ async def test_messages_for_no_live_part_are_dropped_and_counted(
 
 async def test_a_second_message_for_a_part_is_dropped_not_used(make: Callable) -> None:
     fakes, client = make({E0: Behaviour("twice")})
+    seen: list[tuple[int, int, int]] = []
+
+    async def both_arrived() -> None:  # the fake answers /encode only after this
+        await wait_until(lambda: client.statistics().messages_received == 2)
+        s = client.statistics()
+        seen.append((s.parts_live, s.messages_received, s.messages_dropped))
+
+    fakes.before_answer = both_arrived
     async with client:
         async with await client.encode({"image": images(3)}) as result:
             assert torch.equal(result.embeddings["image"], expected(images(3), "image"))
-        await wait_until(lambda: client.statistics().messages_received == 2)
+        assert seen == [(1, 2, 1)]  # the duplicate came while its part was still live
         assert client.statistics().messages_dropped == 1
         assert_clean(client)
 

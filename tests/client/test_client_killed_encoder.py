@@ -19,8 +19,9 @@ async def test_encoder_killed_mid_request(qwen25_path: str) -> None:
         async with open_encoder_client(encoder_urls=[url], timeout=60) as client, \
                 httpx.AsyncClient(base_url=url) as http, trio.open_nursery() as nursery:
             async def kill_when_busy() -> None:
-                while (await http.get("/stats")).json()["live_requests"] == 0:
-                    await trio.sleep(0.01)
+                with trio.fail_after(60):  # bounded: a request that never shows must not hang the test
+                    while (await http.get("/stats")).json()["live_requests"] == 0:
+                        await trio.sleep(0.01)
                 proc.send_signal(signal.SIGKILL)
 
             nursery.start_soon(kill_when_busy)

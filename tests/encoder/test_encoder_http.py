@@ -227,7 +227,9 @@ async def test_graceful_shutdown_finishes_in_flight_and_refuses_new(encoder: Any
                 drain.set()
 
             nursery.start_soon(drain_service)
-            await trio.sleep(0)
+            with trio.fail_after(10):  # the drain has begun: /stats says so
+                while not (await stats(http))["draining"]:
+                    await trio.sleep(0.01)
             results["new"] = await http.post("/encode", json=encode_body("late"))
             results["health"] = await http.get("/health")
             await drain.wait()

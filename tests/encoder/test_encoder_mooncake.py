@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import time
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -13,6 +13,7 @@ import torch
 import trio
 
 from conftest import data_uri, png_bytes
+from epd_trio.errors import EncodeError
 from epd_trio.protocol.codec import decode_safetensors
 
 if os.environ.get("EPD_REQUIRE_MOONCAKE") != "1":
@@ -116,15 +117,49 @@ async def test_mooncake_delivery_refused_without_the_backend(encoder: Any) -> No
 
 
 async def test_send_waiting_on_a_failed_forward_learns_why(encoder: Any) -> None:
-    from epd_trio.testing import Fault, FaultPlan, InjectedFault, install_faults
-
+    """The forward is held on an event until ``/send`` is waiting for it, so ``/send``
+    surely arrives mid-forward (the scheduler's ``run_sync`` and the service's ``send``
+    are wrapped; no fault plan, no sleep)."""
     async with encoder(transfer_backend="mooncake") as (server, http), receiver(1 << 16) as (mc, buf):
-        def slow_failure(point: str) -> InjectedFault:
-            time.sleep(0.5)  # in the worker thread: the /send below arrives while the forward runs
-            return InjectedFault("GPU fell off")
+        scheduler = server.service.engine.scheduler
+        forward_running, send_arrived = trio.Event(), trio.Event()
+        may_fail = threading.Event()  # the forward (in its worker thread) fails once this is set
+        running_at_send: list[int] = []
 
-        install_faults(FaultPlan(0, [Fault("forward", error=slow_failure)]), server.service.engine.scheduler)
-        meta = (await http.post("/encode", json=body("f", png_bytes(56, 56)))).json()  # sized early
-        r = await http.post("/send", json={"req_id": "f", "session": mc.session, "buffer_address": buf.data_ptr(),
-                                           "buffer_length": meta["nbytes"]})
+        def failing_forward(payloads: Any) -> Any:
+            trio.from_thread.run_sync(forward_running.set)
+            if not may_fail.wait(timeout=30):
+                raise AssertionError("the test never let the forward fail")
+            raise EncodeError("GPU fell off")
+
+        real_run_sync, real_send = scheduler.run_sync, server.service.send
+
+        async def run_sync(fn: Any, payloads: Any, **kw: Any) -> Any:
+            return await real_run_sync(failing_forward, payloads, **kw)
+
+        async def send(*args: Any) -> int:
+            running_at_send.append(scheduler.statistics().running)
+            send_arrived.set()  # no checkpoint before real_send has posted its order
+            return await real_send(*args)
+
+        scheduler.run_sync, server.service.send = run_sync, send
+        try:
+            meta = (await http.post("/encode", json=body("f", png_bytes(56, 56)))).json()  # sized early
+            answers: list[Any] = []
+
+            async def post_send() -> None:
+                answers.append(await http.post("/send", json={
+                    "req_id": "f", "session": mc.session, "buffer_address": buf.data_ptr(),
+                    "buffer_length": meta["nbytes"]}))
+
+            async with trio.open_nursery() as nursery:
+                with trio.fail_after(30):
+                    await forward_running.wait()
+                    nursery.start_soon(post_send)
+                    await send_arrived.wait()
+                may_fail.set()  # only now: /send is waiting while the forward runs
+        finally:
+            may_fail.set()
+    assert running_at_send == [1]
+    (r,) = answers
     assert r.status_code == 500 and "GPU fell off" in r.json()["error"]["message"]

@@ -1,8 +1,11 @@
 """Hypothesis over every JSON endpoint: never a 5xx, never a hang; healthy and quiescent after.
 
-A real encoder and a real registry (Hypercorn on loopback ports) run in a
-background thread's trio loop for the whole module; the examples are plain
-synchronous HTTP calls with a short timeout (a hang fails the example).
+Each test runs its own real encoder and registry (Hypercorn on loopback ports)
+in a background thread's trio loop, so no test depends on another or on their
+order; the examples are plain synchronous HTTP calls with a short timeout (a
+hang fails the example). After its examples, each test waits (bounded) for the
+encoder's last request scope to end and checks that it is healthy, quiescent and
+still serving.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from hypothesis import strategies as st
 
 from epd_trio.bootstrap.server import serve_bootstrap
 from epd_trio.config import BootstrapConfig, EncoderConfig, EngineConfig
-from epd_trio.encoder.server import serve_encoder
+from epd_trio.encoder.server import EncoderServer, serve_encoder
 from epd_trio.testing import quiescence_problems
 from fuzz_strategies import abort_bodies, encode_bodies, raw, raw_bodies, registry_bodies, send_bodies
 
@@ -38,6 +41,7 @@ class Servers:
         self._ready = threading.Event()
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
+        self._encoder: EncoderServer | None = None
         self._thread = threading.Thread(target=lambda: trio.run(self._main), daemon=True)
 
     async def _main(self) -> None:
@@ -47,6 +51,7 @@ class Servers:
         async with serve_encoder(config) as enc, \
                 serve_bootstrap(BootstrapConfig(port=0, auth_token="fuzz-token")) as reg:
             self.urls = {"encoder": enc.url, "registry": reg.url}
+            self._encoder = enc
             self._ready.set()
             await self._stop.wait()
 
@@ -55,14 +60,28 @@ class Servers:
         assert self._ready.wait(120), "servers did not start"
         return self
 
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Until the encoder has no live request scope: its registry's idle event, bounded.
+
+        A scope can outlive its HTTP answer (a failed ZMQ delivery still tries to
+        tell the receiver, for up to ``send_timeout``).
+        """
+        async def idle() -> None:
+            assert self._encoder is not None
+            with trio.fail_after(timeout):
+                await self._encoder.service.registry.wait_idle()
+
+        trio.from_thread.run(idle, trio_token=self._token)
+
     def __exit__(self, *exc: object) -> None:
         assert self._token is not None and self._stop is not None
         trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
         self._thread.join(60)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def servers(qwen25_path: str) -> Iterator[Servers]:
+    """Each test its own servers: nothing carries over from another test."""
     with Servers(qwen25_path) as running:
         yield running
 
@@ -83,51 +102,68 @@ def no_5xx(response: httpx.Response, body: Any) -> None:
             assert set(error) == {"error", "req_id"} and set(error["error"]) == {"type", "message"}
 
 
-@EXAMPLES
-@given(body=encode_bodies)
-def test_fuzz_encode(servers: Servers, body: dict) -> None:
-    no_5xx(post(servers, "encoder", "/encode", raw(body)), body)
-
-
-@EXAMPLES
-@given(body=send_bodies)
-def test_fuzz_send(servers: Servers, body: dict) -> None:
-    no_5xx(post(servers, "encoder", "/send", raw(body)), body)
-
-
-@EXAMPLES
-@given(body=abort_bodies, token=st.booleans())
-def test_fuzz_abort(servers: Servers, body: dict, token: bool) -> None:
-    response = post(servers, "encoder", "/abort", raw(body), token)
-    no_5xx(response, body)
-    if not token:
-        assert response.status_code == 401
-
-
-@EXAMPLES
-@given(body=registry_bodies, path=st.sampled_from(["/register_encoder_url", "/unregister_encoder_url"]))
-def test_fuzz_registry(servers: Servers, body: dict, path: str) -> None:
-    no_5xx(post(servers, "registry", path, raw(body), token=True), body)
-
-
-@EXAMPLES
-@given(content=raw_bodies, path=st.sampled_from(["/encode", "/send", "/abort"]))
-def test_fuzz_raw_bytes(servers: Servers, content: bytes, path: str) -> None:
-    no_5xx(post(servers, "encoder", path, content, token=True), content)
-
-
-def test_healthy_and_quiescent_after_fuzzing(servers: Servers) -> None:
-    # Runs after the fuzz tests in this module (pytest keeps file order).
+def healthy_quiescent_and_serving(servers: Servers) -> None:
+    """What every fuzz test checks after its examples."""
+    servers.wait_idle()
     url = servers.urls["encoder"]
+    assert quiescence_problems({"encoder": httpx.get(url + "/stats", timeout=10).json()}) == []
     assert httpx.get(url + "/health", timeout=30).status_code == 200
-    for _ in range(100):
-        stats = httpx.get(url + "/stats", timeout=10).json()
-        if not quiescence_problems({"encoder": stats}):
-            break
-        trio.run(trio.sleep, 0.1)
-    assert quiescence_problems({"encoder": stats}) == []
     good = {"req_id": "after", "modality": "image", "mm_items": ["data:image/png;base64," + _tiny_png()]}
     assert post(servers, "encoder", "/encode", raw(good)).status_code == 200
+
+
+def test_fuzz_encode(servers: Servers) -> None:
+    @EXAMPLES
+    @given(body=encode_bodies)
+    def examples(body: dict) -> None:
+        no_5xx(post(servers, "encoder", "/encode", raw(body)), body)
+
+    examples()
+    healthy_quiescent_and_serving(servers)
+
+
+def test_fuzz_send(servers: Servers) -> None:
+    @EXAMPLES
+    @given(body=send_bodies)
+    def examples(body: dict) -> None:
+        no_5xx(post(servers, "encoder", "/send", raw(body)), body)
+
+    examples()
+    healthy_quiescent_and_serving(servers)
+
+
+def test_fuzz_abort(servers: Servers) -> None:
+    @EXAMPLES
+    @given(body=abort_bodies, token=st.booleans())
+    def examples(body: dict, token: bool) -> None:
+        response = post(servers, "encoder", "/abort", raw(body), token)
+        no_5xx(response, body)
+        if not token:
+            assert response.status_code == 401
+
+    examples()
+    healthy_quiescent_and_serving(servers)
+
+
+def test_fuzz_registry(servers: Servers) -> None:
+    @EXAMPLES
+    @given(body=registry_bodies, path=st.sampled_from(["/register_encoder_url", "/unregister_encoder_url"]))
+    def examples(body: dict, path: str) -> None:
+        no_5xx(post(servers, "registry", path, raw(body), token=True), body)
+
+    examples()
+    assert httpx.get(servers.urls["registry"] + "/health", timeout=10).status_code == 200
+    healthy_quiescent_and_serving(servers)
+
+
+def test_fuzz_raw_bytes(servers: Servers) -> None:
+    @EXAMPLES
+    @given(content=raw_bodies, path=st.sampled_from(["/encode", "/send", "/abort"]))
+    def examples(content: bytes, path: str) -> None:
+        no_5xx(post(servers, "encoder", path, content, token=True), content)
+
+    examples()
+    healthy_quiescent_and_serving(servers)
 
 
 def _tiny_png() -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
 
@@ -23,25 +24,54 @@ def payload(value: float, tokens: int = 2, modality: str = "image", poison: bool
     return PreprocessResult(modality, inputs, ((1, 2, tokens),), (tokens,))
 
 
+# Real-time bounds, never reached by a passing test: a failing one must not hang.
+GATE_TIMEOUT = 30.0
+ENTER_TIMEOUT = 10.0
+
+
 class FakeForward:
     """Doubles its inputs; can be held mid-forward, poisoned, and given a device
-    memory budget (``oom_tokens``) that a forward of more tokens runs out of."""
+    memory budget (``oom_tokens``) that a forward of more tokens runs out of.
+
+    It runs in the scheduler's worker thread and tells the trio side of each
+    forward it enters (``wait_entered``), so the tests wait on events, not polls.
+    """
 
     def __init__(self) -> None:
         self.batches: list[list[float]] = []
-        self.hold = threading.Event()  # cleared: forwards wait until set (or one step)
-        self.hold.set()
-        self.step = threading.Event()  # set: exactly one held forward may go on
-        self.entered = threading.Event()
+        self._gate = threading.Condition()
+        self._open = True  # closed: forwards wait until opened, or one ``step``
+        self._steps = 0
+        self._entered_send, self.entered = trio.open_memory_channel[list[float]](math.inf)
         self.oom_tokens: int | None = None
 
+    def hold(self) -> None:
+        with self._gate:
+            self._open = False
+
+    def release(self) -> None:
+        with self._gate:
+            self._open = True
+            self._gate.notify_all()
+
+    def step(self) -> None:
+        """Exactly one held forward may go on."""
+        with self._gate:
+            self._steps += 1
+            self._gate.notify_all()
+
+    def _pass_gate(self) -> None:
+        with self._gate:
+            if not self._gate.wait_for(lambda: self._open or self._steps, timeout=GATE_TIMEOUT):
+                raise AssertionError("a held forward was never released")
+            if not self._open:
+                self._steps -= 1
+
     def __call__(self, payloads: Sequence[PreprocessResult]) -> list[torch.Tensor]:
-        self.batches.append([float(p.inputs["x"][0, 0]) for p in payloads])
-        self.entered.set()
-        while not self.hold.wait(timeout=0.001):
-            if self.step.is_set():
-                self.step.clear()
-                break
+        batch = [float(p.inputs["x"][0, 0]) for p in payloads]
+        self.batches.append(batch)
+        trio.from_thread.run_sync(self._entered_send.send_nowait, batch)
+        self._pass_gate()
         if any("poison" in p.inputs for p in payloads):
             raise RuntimeError("poisoned input")
         if self.oom_tokens is not None and sum(p.tokens for p in payloads) > self.oom_tokens:
@@ -59,16 +89,16 @@ async def encode(s: Scheduler, p: PreprocessResult) -> torch.Tensor:
         return await s.submit(p)
 
 
-async def wait_entered(fake: FakeForward) -> None:
-    while not fake.entered.is_set():
-        await trio.sleep(0.001)
-    fake.entered.clear()
+async def wait_entered(fake: FakeForward) -> list[float]:
+    """The next forward the fake entered (its batch); bounded."""
+    with trio.fail_after(ENTER_TIMEOUT):
+        return await fake.entered.receive()
 
 
 async def test_batches_what_queued_during_a_forward(nursery: trio.Nursery) -> None:
     s, fake = await started()
     await nursery.start(s.run)
-    fake.hold.clear()
+    fake.hold()
     results: dict[float, torch.Tensor] = {}
 
     async def call(v: float) -> None:
@@ -80,7 +110,7 @@ async def test_batches_what_queued_during_a_forward(nursery: trio.Nursery) -> No
         for v in (1.0, 2.0, 3.0, 4.0, 5.0):
             inner.start_soon(call, v)
         await trio.testing.wait_all_tasks_blocked()
-        fake.hold.set()
+        fake.release()
     # trio starts tasks in no promised order: check sizes and membership
     assert [len(b) for b in fake.batches] == [1, 4, 1]
     assert sorted(v for b in fake.batches for v in b) == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
@@ -104,14 +134,18 @@ async def test_coalesce_delay_is_exact(autojump_clock: trio.testing.MockClock, n
 async def test_cancelled_waiting_caller_is_dropped_before_the_forward(nursery: trio.Nursery) -> None:
     s, fake = await started()
     await nursery.start(s.run)
-    fake.hold.clear()
+    fake.hold()
     nursery.start_soon(encode, s, payload(0.0))
     await wait_entered(fake)
-    with trio.move_on_after(0.05) as scope:
-        await encode(s, payload(1.0))
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as waiter:
+            waiter.start_soon(encode, s, payload(1.0))
+            await trio.testing.wait_all_tasks_blocked()
+            assert s.statistics().queued == 1  # waiting behind the running forward
+            scope.cancel()
     assert scope.cancelled_caught
     assert s.statistics().admitted == 1  # only the running one holds a slot now
-    fake.hold.set()
+    fake.release()
     out = await encode(s, payload(2.0))
     assert torch.equal(out, torch.full((2, 3), 4.0))
     assert fake.batches == [[0.0], [2.0]]
@@ -121,7 +155,7 @@ async def test_cancelled_waiting_caller_is_dropped_before_the_forward(nursery: t
 async def test_cancelled_running_caller_leaves_batch_mates_intact(nursery: trio.Nursery) -> None:
     s, fake = await started()
     await nursery.start(s.run)
-    fake.hold.clear()
+    fake.hold()
     nursery.start_soon(encode, s, payload(0.0))
     await wait_entered(fake)
     got: dict[str, torch.Tensor] = {}
@@ -138,12 +172,12 @@ async def test_cancelled_running_caller_leaves_batch_mates_intact(nursery: trio.
         inner.start_soon(victim)
         inner.start_soon(mate)
         await trio.testing.wait_all_tasks_blocked()
-        fake.hold.clear()
-        fake.step.set()  # only the first batch may finish; [1, 2] starts and is held
+        fake.hold()
+        fake.step()  # only the first batch may finish; [1, 2] starts and is held
         await wait_entered(fake)
         cancel_me.cancel()  # while [1, 2] runs
         await trio.testing.wait_all_tasks_blocked()
-        fake.hold.set()
+        fake.release()
     assert fake.batches[0] == [0.0] and sorted(fake.batches[1]) == [1.0, 2.0]
     assert torch.equal(got["mate"], torch.full((2, 3), 4.0))
     stats = s.statistics()
@@ -166,7 +200,7 @@ async def test_full_queue_refuses_at_once(autojump_clock: trio.testing.MockClock
 async def test_poisoned_item_fails_alone(nursery: trio.Nursery) -> None:
     s, fake = await started()
     await nursery.start(s.run)
-    fake.hold.clear()
+    fake.hold()
     nursery.start_soon(encode, s, payload(0.0))
     await wait_entered(fake)
     results: dict[float, object] = {}
@@ -182,7 +216,7 @@ async def test_poisoned_item_fails_alone(nursery: trio.Nursery) -> None:
         inner.start_soon(call, 2.0, True)
         inner.start_soon(call, 3.0)
         await trio.testing.wait_all_tasks_blocked()
-        fake.hold.set()
+        fake.release()
     batch = fake.batches[1]
     assert sorted(batch) == [1.0, 2.0, 3.0]
     assert fake.batches == [[0.0], batch, *([v] for v in batch)]  # retried one at a time
@@ -198,7 +232,7 @@ async def test_out_of_device_memory_retries_singly_and_fails_alone_with_503(
     s, fake = await started()
     fake.oom_tokens = 6
     await nursery.start(s.run)
-    fake.hold.clear()
+    fake.hold()
     nursery.start_soon(encode, s, payload(0.0))
     await wait_entered(fake)
     results: dict[float, object] = {}
@@ -213,7 +247,7 @@ async def test_out_of_device_memory_retries_singly_and_fails_alone_with_503(
         for v, tokens in ((1.0, 2), (2.0, 8), (3.0, 2)):
             inner.start_soon(call, v, tokens)
         await trio.testing.wait_all_tasks_blocked()
-        fake.hold.set()
+        fake.release()
     batch = fake.batches[1]
     assert sorted(batch) == [1.0, 2.0, 3.0]  # 12 tokens: out of memory together
     assert fake.batches[2:] == [[v] for v in batch]  # then one at a time
@@ -230,7 +264,7 @@ async def test_out_of_device_memory_retries_singly_and_fails_alone_with_503(
 
 async def test_stopping_fails_every_waiter() -> None:
     s, fake = await started()
-    fake.hold.clear()
+    fake.hold()
     outcomes: dict[float, object] = {}
 
     async def call(v: float) -> None:
@@ -252,7 +286,7 @@ async def test_stopping_fails_every_waiter() -> None:
         outer.start_soon(call, 1.0)  # queued behind the running forward
         await trio.testing.wait_all_tasks_blocked()
         loop_scope.cancel()
-        fake.hold.set()
+        fake.release()
     # the running forward cannot be interrupted: it finishes and delivers;
     # the queued request fails at once instead of hanging.
     assert torch.equal(outcomes[0.0], torch.full((2, 3), 0.0))  # type: ignore[arg-type]

@@ -109,7 +109,8 @@ async def test_error_message_over_the_wire(receiver: PullReceiver) -> None:
     assert tensor is None and header.error is not None and header.error.status == 504
 
 
-async def test_send_to_nobody_times_out_within_the_timeout() -> None:
+async def test_send_to_nobody_times_out_at_the_timeout(autojump_clock: trio.testing.MockClock) -> None:
+    """Virtual time: the wait on the socket's FD ends exactly at the deadline."""
     with socket_nobody_listens_on() as endpoint:
         _, frames = embedding(64, 64)
         async with PushSocketCache() as cache:
@@ -118,7 +119,7 @@ async def test_send_to_nobody_times_out_within_the_timeout() -> None:
                 await cache.send(endpoint, frames, 0.3)
             elapsed = trio.current_time() - start
             stats = cache.statistics()
-    assert 0.3 <= elapsed < 1.5
+    assert elapsed == 0.3
     assert (stats.send_timeouts, stats.sends, stats.busy_sockets) == (1, 0, 0)
 
 
@@ -148,21 +149,27 @@ async def test_invalid_endpoint_is_a_request_error() -> None:
         assert cache.statistics().open_sockets == 0
 
 
-async def test_many_concurrent_senders_share_one_socket(receiver: PullReceiver) -> None:
-    """Senders pile up waiting for room (1 MiB each, tiny HWM, slow reader)."""
+async def test_many_concurrent_senders_share_one_socket(ipc_endpoint: str) -> None:
+    """Senders pile up waiting for room (1 MiB each, tiny HWMs, nobody reading yet)."""
     n = 12
     sent = {f"r{i}": embedding(256, 2048, f"r{i}", seed=i) for i in range(n)}
-    async with PushSocketCache(sndhwm=1) as cache, trio.open_nursery() as nursery:
-        for req_id, (_, frames) in sent.items():
-            nursery.start_soon(cache.send, receiver.last_endpoint, frames, 20.0)
-        await trio.sleep(0.2)  # let the senders block on the full pipe
-        got = {}
-        with trio.fail_after(20):
-            for _ in range(n):
-                header, tensor = await receiver.receive()
-                assert tensor is not None
-                got[header.req_id] = tensor.tensor()
-        stats = cache.statistics()
+    got = {}
+    async with PushSocketCache(sndhwm=1) as cache:
+        async with trio.open_nursery() as nursery:
+            for req_id, (_, frames) in sent.items():
+                nursery.start_soon(cache.send, ipc_endpoint, frames, 20.0)
+            # Nobody listens yet (IMMEDIATE): no send can complete. Once every task
+            # is blocked, all n senders are waiting on the one socket.
+            await trio.testing.wait_all_tasks_blocked()
+            waiting = cache.statistics()
+            async with PullReceiver(ipc_endpoint, rcvhwm=1) as receiver:
+                with trio.fail_after(20):
+                    for _ in range(n):
+                        header, tensor = await receiver.receive()
+                        assert tensor is not None
+                        got[header.req_id] = tensor.tensor()
+        stats = cache.statistics()  # every sender has returned
+    assert (waiting.sends, waiting.open_sockets, waiting.busy_sockets) == (0, 1, 1)
     assert set(got) == set(sent)
     for req_id, (tensor, _) in sent.items():
         assert torch.equal(got[req_id].view(torch.int16), tensor.view(torch.int16))
