@@ -8,7 +8,6 @@ import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Sequence
-from contextlib import AsyncExitStack
 
 import trio
 
@@ -67,27 +66,29 @@ async def _serve_until_signal(config: EncoderConfig | BootstrapConfig) -> None:
     what, serve = (("encoder", serve_encoder) if isinstance(config, EncoderConfig)
                    else ("bootstrap", serve_bootstrap))
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        stop, starting = trio.Event(), trio.CancelScope()
+        started, stop = trio.Event(), trio.Event()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_first_signal, signals, stop, starting, what)
-            async with AsyncExitStack() as stack:
-                with starting:
-                    server = await stack.enter_async_context(serve(config))  # type: ignore[operator]
-                if starting.cancelled_caught:
-                    log.info("the %s stopped before it had started", what)
-                    return
-                print(f"epd-trio {what} listening on {server.url}", flush=True)
-                await stop.wait()
-                log.info("shutting the %s down gracefully", what)
+            with trio.CancelScope() as starting:
+                nursery.start_soon(_first_signal, signals, started, stop, starting, what)
+                async with serve(config) as server:  # type: ignore[operator]
+                    started.set()
+                    print(f"epd-trio {what} listening on {server.url}", flush=True)
+                    await stop.wait()
+                    log.info("shutting the %s down gracefully", what)
+            if starting.cancelled_caught:
+                log.info("the %s stopped before it had started", what)
+            nursery.cancel_scope.cancel()
 
 
-async def _first_signal(signals: AsyncIterator[int], stop: trio.Event, starting: trio.CancelScope,
-                        what: str) -> None:
-    """On the first signal: cancel a start-up still under way, and end the serving block."""
+async def _first_signal(signals: AsyncIterator[int], started: trio.Event, stop: trio.Event,
+                        starting: trio.CancelScope, what: str) -> None:
+    """The first signal cancels a start-up still under way, or ends the serving block."""
     async for signum in signals:
         log.info("%s: stopping the %s", signal.Signals(signum).name, what)
-        starting.cancel()  # a no-op once the start-up has finished
-        stop.set()
+        if started.is_set():
+            stop.set()
+        else:
+            starting.cancel()
         return
 
 
