@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
+from conftest import spawn
 from epd_trio import cli
 from epd_trio._util import leaves
 from epd_trio.cli import configure_logging, main
 from epd_trio.errors import ModelLoadError
+from epd_trio.model.loader import INDEX_FILE
 from epd_trio.model.tiny import is_tiny_model
 
 
@@ -120,3 +124,33 @@ def test_an_interrupt_anywhere_exits_as_ctrl_c(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setattr(cli, "_make_tiny_model", failing_with(exc))
     assert main(["make-tiny-model", "unused"]) == 130
     assert "interrupted" in capsys.readouterr().err
+
+
+async def test_ctrl_c_during_the_model_load_exits_promptly(tmp_path: Path, qwen25_path: str) -> None:
+    """SIGINT while the encoder loads its model: the load is abandoned and the process exits 0.
+
+    The checkpoint's weight index is a named pipe held open without data: the
+    load blocks there for as long as this test wants, the way a slow disk
+    would (``read`` releases the GIL). Opening the pipe's writing end returns
+    once the encoder has opened it to read: from then on it is loading.
+    """
+    checkpoint = tmp_path / "slow"
+    checkpoint.mkdir()
+    for file in Path(qwen25_path).iterdir():
+        if file.name != INDEX_FILE:
+            (checkpoint / file.name).symlink_to(file)
+    fifo = checkpoint / INDEX_FILE
+    os.mkfifo(fifo)
+    with spawn("encoder", "--port", "0", "--model-path", str(checkpoint)) as proc:
+        writer = None
+        try:
+            with trio.fail_after(120):
+                writer = await trio.to_thread.run_sync(os.open, fifo, os.O_WRONLY, abandon_on_cancel=True)
+            proc.send_signal(signal.SIGINT)
+            code = await trio.to_thread.run_sync(lambda: proc.wait(timeout=30))
+            assert code == 0, proc.stderr.read()  # type: ignore[union-attr]
+        finally:
+            if writer is None:  # let our own abandoned open go
+                os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+            else:
+                os.close(writer)
