@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import trio
 
-from epd_trio._util import first_leaf
+from epd_trio._util import leaves
 from epd_trio.config import (
     BootstrapConfig,
     EncoderConfig,
@@ -20,6 +22,13 @@ from epd_trio.config import (
 from epd_trio.errors import EPDError
 
 __all__ = ["main"]
+
+log = logging.getLogger(__name__)
+
+# Expected start-up failures: a bad flag, a missing checkpoint, a port in use.
+# Only these become a one-line message and exit 2; anything else is a bug.
+_EXPECTED = (EPDError, ValueError)
+EXIT_INTERRUPTED = 130  # what a shell reports for Ctrl-C (128 + SIGINT)
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
@@ -45,21 +54,42 @@ def _encoder(args: argparse.Namespace) -> int:
 
 
 async def _serve_until_signal(config: EncoderConfig | BootstrapConfig) -> None:
-    """Serve until SIGINT/SIGTERM, then leave the block: a graceful shutdown, exit 0."""
-    import signal
+    """Serve until SIGINT/SIGTERM, then leave the block: a graceful shutdown, exit 0.
 
+    The signal is watched from the start: one that comes while the server is
+    still starting (loading the model, say) cancels the start-up, whose
+    blocking calls are abandonable or bounded, so the process exits promptly.
+    """
     from epd_trio.bootstrap.server import serve_bootstrap
     from epd_trio.encoder.server import serve_encoder
 
     what, serve = (("encoder", serve_encoder) if isinstance(config, EncoderConfig)
                    else ("bootstrap", serve_bootstrap))
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with serve(config) as server:  # type: ignore[operator]
-            print(f"epd-trio {what} listening on {server.url}", flush=True)
-            async for signum in signals:
-                logging.getLogger(__name__).info("%s: shutting the %s down gracefully",
-                                                 signal.Signals(signum).name, what)
-                break
+        started, stop = trio.Event(), trio.Event()
+        async with trio.open_nursery() as nursery:
+            with trio.CancelScope() as starting:
+                nursery.start_soon(_first_signal, signals, started, stop, starting, what)
+                async with serve(config) as server:  # type: ignore[operator]
+                    started.set()
+                    print(f"epd-trio {what} listening on {server.url}", flush=True)
+                    await stop.wait()
+                    log.info("shutting the %s down gracefully", what)
+            if starting.cancelled_caught:
+                log.info("the %s stopped before it had started", what)
+            nursery.cancel_scope.cancel()
+
+
+async def _first_signal(signals: AsyncIterator[int], started: trio.Event, stop: trio.Event,
+                        starting: trio.CancelScope, what: str) -> None:
+    """The first signal cancels a start-up still under way, or ends the serving block."""
+    async for signum in signals:
+        log.info("%s: stopping the %s", signal.Signals(signum).name, what)
+        if started.is_set():
+            stop.set()
+        else:
+            starting.cancel()
+        return
 
 
 def _bootstrap(args: argparse.Namespace) -> int:
@@ -100,25 +130,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    import os
+def configure_logging(level: str) -> None:
+    """Our level for our lines; the chatty libraries' INFO lines only at debug.
 
-    args = build_parser().parse_args(argv)
-    level = getattr(args, "log_level", None) or os.environ.get("EPD_LOG_LEVEL", "INFO")
+    httpx logs every request at INFO (the demo's client, the registration
+    heartbeats); the Mooncake engine logs through glog to stderr and reads
+    ``MC_LOG_LEVEL`` when first imported: its INFO lines (ports, topology,
+    "finish") only at our debug level. A ``MC_LOG_LEVEL`` you set wins.
+    """
+    debug = level.upper() == "DEBUG"
     logging.basicConfig(level=level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # The Mooncake engine logs through glog to stderr and reads this when first imported:
-    # its INFO lines (ports, topology, "finish") only at our debug level. Yours wins.
-    os.environ.setdefault("MC_LOG_LEVEL", "INFO" if level.upper() == "DEBUG" else "WARNING")
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.NOTSET if debug else logging.WARNING)
+    os.environ.setdefault("MC_LOG_LEVEL", "INFO" if debug else "WARNING")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(getattr(args, "log_level", None) or os.environ.get("EPD_LOG_LEVEL", "INFO"))
     try:
         return int(args.run(args))
-    except (EPDError, ValueError, BaseExceptionGroup) as exc:
-        # Start-up errors may come wrapped by the nurseries they crossed.
-        leaf = first_leaf(exc)
-        if not isinstance(leaf, (EPDError, ValueError)):
+    except KeyboardInterrupt:
+        return _interrupted()
+    except (*_EXPECTED, BaseExceptionGroup) as exc:
+        # Start-up errors may come wrapped by the nurseries they crossed: unwrap
+        # only when every leaf is expected; a bug beside one keeps its traceback.
+        found = list(leaves(exc))
+        if any(isinstance(leaf, KeyboardInterrupt) for leaf in found):
+            return _interrupted()
+        if not all(isinstance(leaf, _EXPECTED) for leaf in found):
             raise
-        print(f"epd-trio: error: {leaf}", file=sys.stderr)
+        for message in dict.fromkeys(str(leaf) for leaf in found):
+            print(f"epd-trio: error: {message}", file=sys.stderr)
         return 2
+
+
+def _interrupted() -> int:
+    print("epd-trio: interrupted", file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

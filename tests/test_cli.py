@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import trio
 
-from epd_trio.cli import main
+from conftest import spawn
+from epd_trio import cli
+from epd_trio._util import leaves
+from epd_trio.cli import configure_logging, main
+from epd_trio.errors import ModelLoadError
+from epd_trio.model.loader import INDEX_FILE
 from epd_trio.model.tiny import is_tiny_model
 
 
@@ -51,3 +61,96 @@ def test_demo_over_mooncake(qwen25_path: str, capsys: pytest.CaptureFixture[str]
     assert main(["demo", "--model-path", qwen25_path, "--transfer-backend", "mooncake"]) == 0
     out = capsys.readouterr().out
     assert "delivery over Mooncake" in out and "equals a local engine encode: yes" in out
+
+
+@pytest.fixture
+def quiet_loggers_restored() -> Iterator[None]:
+    """``main`` configures the process's logging: give the next test what it had."""
+    saved = {name: logging.getLogger(name).level for name in ("httpx", "httpcore")}
+    yield
+    for name, level in saved.items():
+        logging.getLogger(name).setLevel(level)
+
+
+@pytest.mark.usefixtures("quiet_loggers_restored")
+def test_the_demo_prints_no_http_request_lines(qwen25_path: str, caplog: pytest.LogCaptureFixture,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EPD_LOG_LEVEL", "info")
+    with caplog.at_level(logging.INFO):
+        assert main(["demo", "--model-path", qwen25_path, "--encoders", "1"]) == 0
+    assert caplog.records, "the demo logged nothing at INFO: the check below proves nothing"
+    assert not [r for r in caplog.records if r.name.startswith(("httpx", "httpcore"))]
+
+
+@pytest.mark.usefixtures("quiet_loggers_restored")
+@pytest.mark.parametrize(("log_level", "httpx_level"), [("info", logging.WARNING), ("debug", logging.NOTSET)])
+def test_http_request_lines_only_at_debug(log_level: str, httpx_level: int) -> None:
+    configure_logging(log_level)
+    assert logging.getLogger("httpx").level == logging.getLogger("httpcore").level == httpx_level
+
+
+def failing_with(exc: BaseException) -> Callable[[Any], int]:
+    def run(args: Any) -> int:
+        raise exc
+    return run
+
+
+def group(*excs: BaseException) -> BaseExceptionGroup:
+    return BaseExceptionGroup("start-up", [BaseExceptionGroup("inner", list(excs[:1])), *excs[1:]])
+
+
+def test_a_group_of_expected_errors_is_a_clean_error(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    exc = group(ModelLoadError("no config.json in /x"), ValueError("port in use"))
+    monkeypatch.setattr(cli, "_make_tiny_model", failing_with(exc))
+    assert main(["make-tiny-model", "unused"]) == 2
+    err = capsys.readouterr().err
+    assert "epd-trio: error: no config.json in /x" in err and "epd-trio: error: port in use" in err
+
+
+def test_a_bug_beside_an_expected_error_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    bug = ZeroDivisionError("a bug")
+    monkeypatch.setattr(cli, "_make_tiny_model",
+                        failing_with(group(ModelLoadError("no config.json"), bug)))
+    with pytest.raises(BaseExceptionGroup) as raised:
+        main(["make-tiny-model", "unused"])
+    assert bug in list(leaves(raised.value))
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt(), group(ModelLoadError("expected"), KeyboardInterrupt()),
+                                 group(KeyboardInterrupt(), ZeroDivisionError("a bug"))])
+def test_an_interrupt_anywhere_exits_as_ctrl_c(monkeypatch: pytest.MonkeyPatch, exc: BaseException,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(cli, "_make_tiny_model", failing_with(exc))
+    assert main(["make-tiny-model", "unused"]) == 130
+    assert "interrupted" in capsys.readouterr().err
+
+
+async def test_ctrl_c_during_the_model_load_exits_promptly(tmp_path: Path, qwen25_path: str) -> None:
+    """SIGINT while the encoder loads its model: the load is abandoned and the process exits 0.
+
+    The checkpoint's weight index is a named pipe held open without data: the
+    load blocks there for as long as this test wants, the way a slow disk
+    would (``read`` releases the GIL). Opening the pipe's writing end returns
+    once the encoder has opened it to read: from then on it is loading.
+    """
+    checkpoint = tmp_path / "slow"
+    checkpoint.mkdir()
+    for file in Path(qwen25_path).iterdir():
+        if file.name != INDEX_FILE:
+            (checkpoint / file.name).symlink_to(file)
+    fifo = checkpoint / INDEX_FILE
+    os.mkfifo(fifo)
+    with spawn("encoder", "--port", "0", "--model-path", str(checkpoint)) as proc:
+        writer = None
+        try:
+            with trio.fail_after(120):
+                writer = await trio.to_thread.run_sync(os.open, fifo, os.O_WRONLY, abandon_on_cancel=True)
+            proc.send_signal(signal.SIGINT)
+            code = await trio.to_thread.run_sync(lambda: proc.wait(timeout=30))
+            assert code == 0, proc.stderr.read()  # type: ignore[union-attr]
+        finally:
+            if writer is None:  # let our own abandoned open go
+                os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+            else:
+                os.close(writer)

@@ -37,7 +37,7 @@ from epd_trio.engine.cache import CacheStatistics, EmbeddingCache, content_diges
 from epd_trio.engine.plan import CachePlan, EncodeAll, EncodeOutput, EncodePlan, given_names
 from epd_trio.errors import RequestError
 from epd_trio.model.adapters import PreprocessResult
-from epd_trio.model.loader import LoadedEncoder, load_encoder, replicate_encoder
+from epd_trio.model.loader import LoadedEncoder, load_encoders
 from epd_trio.model.media import MediaLimits, MediaLoader, media_http_client
 from epd_trio.model.preprocess import EncoderPreprocessor
 from epd_trio.model.tiny import ensure_default_model
@@ -310,12 +310,8 @@ async def open_engine(config: EngineConfig | None = None, **overrides: Any) -> A
     """
     config = dataclasses.replace(config or EngineConfig(), **overrides)
     model_dir = await resolve_model_path(config)
-    first, *others = config.devices
-    encoder = await trio.to_thread.run_sync(
-        lambda: load_encoder(model_dir, device=first, dtype=config.dtype)
-    )
     # Each further device gets its own copy of the module (and so its own compile cache).
-    replicas = [await trio.to_thread.run_sync(replicate_encoder, encoder, device) for device in others]
+    encoder, *replicas = await load_encoders(model_dir, config.devices, config.dtype)
     limits = MediaLimits(
         max_item_bytes=config.max_item_bytes, max_image_pixels=config.max_image_pixels,
         fetch_timeout=config.fetch_timeout, max_request_pixels=config.max_request_pixels,

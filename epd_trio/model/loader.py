@@ -7,24 +7,33 @@ sharded) only the tensors under the encoder's key prefixes (``visual.*``, or
 ``audio_tower.*`` and ``multi_modal_projector.*``). The language model's bytes
 are never touched: safetensors maps the files and we index only the keys we
 need. The checkpoint's own processors are loaded beside it, one per modality.
+
+``load_encoders`` is the async face: each load and replica copy runs in a
+worker thread that a cancellation abandons (Ctrl-C during a minutes-long load
+exits at once). The thread holds nothing we free afterwards: its half-built
+module is dropped when it ends.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import trio
 
 from epd_trio.errors import ModelLoadError
 from epd_trio.model.adapters import ModelAdapter, adapter_for
 from epd_trio.model.tiny import is_tiny_model
 
 __all__ = [
-    "DTYPES", "LoadedEncoder", "encoder_weight_names", "load_encoder", "load_processors",
-    "replicate_encoder", "resolve_dtype",
+    "DTYPES", "LoadedEncoder", "encoder_weight_names", "load_encoder", "load_encoders",
+    "load_processors", "replicate_encoder", "replicate_encoders", "resolve_dtype",
 ]
 
 log = logging.getLogger(__name__)
@@ -184,3 +193,22 @@ def replicate_encoder(encoder: LoadedEncoder, device: str) -> LoadedEncoder:
 
     module = copy.deepcopy(encoder.module).to(device).eval().requires_grad_(False)
     return dataclasses.replace(encoder, module=module, device=device)
+
+
+async def load_encoders(model_dir: str | Path, devices: Sequence[str], dtype: str = "auto") -> list[LoadedEncoder]:
+    """The encoder loaded on ``devices[0]``, then a copy on each further device.
+
+    Each step runs in a worker thread abandoned on cancellation, so a
+    cancelled start-up returns at once while the thread finishes alone.
+    """
+    first, *others = devices
+    log.info("loading the encoder of %s on %s", model_dir, first)
+    encoder = await trio.to_thread.run_sync(
+        functools.partial(load_encoder, model_dir, device=first, dtype=dtype), abandon_on_cancel=True)
+    return [encoder, *await replicate_encoders(encoder, others)]
+
+
+async def replicate_encoders(encoder: LoadedEncoder, devices: Sequence[str]) -> list[LoadedEncoder]:
+    """A copy of ``encoder`` per device, one after the other, each in an abandonable thread."""
+    return [await trio.to_thread.run_sync(replicate_encoder, encoder, device, abandon_on_cancel=True)
+            for device in devices]

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import trio
 
+from epd_trio._util import first_leaf
 from epd_trio.errors import PayloadTooLargeError, RequestError
 from epd_trio.model.fetch_rules import FetchRules, Pinned, Resolver, pin, resolve_host
 
@@ -121,7 +122,7 @@ class MediaLoader:
                 for i, item in enumerate(items):
                     nursery.start_soon(one, i, item)
         except* RequestError as group:
-            raise group.exceptions[0] from None
+            raise first_leaf(group) from None
         return out
 
     async def _load_one(self, index: int, item: MediaItem) -> Loaded:

@@ -37,6 +37,26 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+TERM_GRACE = 2.0  # seconds past the linger that closing waits for libzmq to let go
+
+
+async def terminate(ctx: zmq.Context[zmq.Socket[bytes]], linger_ms: int) -> None:
+    """``ctx.term()``: shielded (a final release) but bounded.
+
+    term() waits while closed sockets still hold unsent messages, up to their
+    linger (forever with linger -1, or while a socket is left open). It runs
+    in a thread, so trio stays responsive, for at most the linger plus
+    ``TERM_GRACE`` seconds; then the thread is left to finish alone. It holds
+    nothing we free: only the context, and queued zero-copy frames keep their
+    own buffers alive.
+    """
+    bound = max(linger_ms, 0) / 1000 + TERM_GRACE
+    with trio.CancelScope(shield=True, deadline=trio.current_time() + bound) as scope:
+        await trio.to_thread.run_sync(ctx.term, abandon_on_cancel=True)
+    if scope.cancelled_caught:
+        logger.warning("a ZMQ context still had unsent messages %g s after closing: left to "
+                       "finish alone", bound)
+
 def expired_endpoints(last_used: Mapping[str, float], now: float, idle_close: float) -> list[str]:
     """Idle sockets whose time is up (pure: the caller supplies ``now``)."""
     return [ep for ep, t in last_used.items() if now - t >= idle_close]
@@ -188,10 +208,7 @@ class PushSocketCache:
             self._entries.popitem()[1].sock.close(self._linger_ms)
         if self._ctx is not None:
             ctx, self._ctx = self._ctx, None
-            # term() waits up to the linger for unsent bytes: a thread keeps trio
-            # responsive, and the shield lets this final release finish.
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(ctx.term)
+            await terminate(ctx, self._linger_ms)
 
 
 @dataclass(frozen=True)

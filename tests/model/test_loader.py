@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import subprocess
 import sys
 import textwrap
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+import trio
+import trio.testing
 
 from epd_trio import ModelLoadError, TinySpec, make_tiny_model
-from epd_trio.model.loader import load_encoder, resolve_dtype
+from epd_trio.model.loader import INDEX_FILE, load_encoder, load_encoders, replicate_encoders, resolve_dtype
 
 
 def _full_model(path: str):
@@ -119,3 +126,88 @@ def test_peak_memory_far_under_the_full_model(tmp_path: Path, qwen25_path: str) 
     ours = _peak_bytes("encoder", qwen25_path, path)
     assert full > lm_bytes / 2, f"the measurement does not see a full model's weights ({full}, {ours})"
     assert ours < lm_bytes / 20, f"loading the encoder grew the peak RSS by {ours / 1e6:.0f} MB"
+
+
+def fifo_checkpoint(directory: Path, template: str) -> Path:
+    """A checkpoint whose weight index is a named pipe: reading it blocks until a writer comes.
+
+    Python's ``open`` and ``read`` release the GIL while they block, as a load
+    from a slow disk does, so only the loading thread waits.
+    """
+    directory.mkdir()
+    for file in Path(template).iterdir():
+        if file.name != INDEX_FILE:
+            (directory / file.name).symlink_to(file)
+    os.mkfifo(directory / INDEX_FILE)
+    return directory
+
+
+@contextmanager
+def released_in_the_end(fifo: Path) -> Iterator[None]:
+    """Let a thread blocked on ``fifo`` go (end of file) when the test ends, or after 30 s.
+
+    The 30 s fallback only turns a load that cannot be abandoned into a failure
+    instead of a hang.
+    """
+    def release() -> None:
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:  # no reader any more
+            pass
+
+    timer = threading.Timer(30, release)
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        release()
+
+
+async def test_a_cancelled_load_is_abandoned(tmp_path: Path, qwen25_path: str,
+                                             autojump_clock: trio.testing.MockClock) -> None:
+    path = fifo_checkpoint(tmp_path / "slow", qwen25_path)
+    with released_in_the_end(path / INDEX_FILE):
+        start = trio.current_time()
+        with trio.move_on_after(5) as scope:
+            await load_encoders(path, ["cpu"])
+        assert scope.cancelled_caught and trio.current_time() - start == 5
+
+
+class StuckModule:
+    """A module whose copy blocks until released (a big replica on a busy device)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def __deepcopy__(self, memo: dict[int, object]) -> StuckModule:
+        self.release.wait(30)  # the fallback only turns a missing abandon into a failure
+        return self
+
+    def to(self, device: str) -> StuckModule:
+        return self
+
+    def eval(self) -> StuckModule:
+        return self
+
+    def requires_grad_(self, flag: bool) -> StuckModule:
+        return self
+
+
+async def test_a_cancelled_replica_copy_is_abandoned(qwen25_path: str,
+                                                     autojump_clock: trio.testing.MockClock) -> None:
+    encoder = dataclasses.replace(load_encoder(qwen25_path), module=StuckModule())
+    try:
+        start = trio.current_time()
+        with trio.move_on_after(3) as scope:
+            await replicate_encoders(encoder, ["cpu"])
+        assert scope.cancelled_caught and trio.current_time() - start == 3
+    finally:
+        encoder.module.release.set()
+
+
+async def test_load_encoders_copies_to_every_further_device(qwen25_path: str) -> None:
+    first, second = await load_encoders(qwen25_path, ["cpu", "cpu"])
+    assert first.module is not second.module and first.processors is second.processors
+    for key, value in first.module.state_dict().items():
+        assert torch.equal(second.module.state_dict()[key], value), key
