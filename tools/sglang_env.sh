@@ -26,7 +26,7 @@ WANT="$(sha256sum < "$REQ" | cut -d' ' -f1) $("$PY" -c 'import sys; print(f"py{s
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
     exit 0
 fi
-echo "installing SGLang's receiver code into $TARGET (about 40 MB of wheels)" >&2
+echo "installing SGLang's receiver code into $TARGET (about 50 MB of wheels)" >&2
 rm -rf "$TARGET"
 "$PY" -m pip install --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
     --target "$TARGET" -r "$REQ"

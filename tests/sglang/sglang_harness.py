@@ -4,6 +4,11 @@ SGLang's tree lives in ``<repo>/.sglang`` (or ``EPD_SGLANG_DIR``), installed by
 ``tools/sglang_env.sh``, and is put on ``PYTHONPATH`` only for the driver's
 processes: importing it in the test process would drag its pinned
 FastAPI/pydantic stack, its import-time warnings and its global state along.
+
+Tests take the ``sglang_env`` fixture (imported from here: a ``conftest.py`` in
+this folder would shadow ``tests/conftest.py``, which other tests import by
+name). Without the environment they skip, unless ``EPD_REQUIRE_SGLANG=1`` (CI),
+where a missing or stale one fails them.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import trio
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,3 +76,18 @@ class DriverLines:
             words = line.decode(errors="replace").split(" ", 1)
             if words[0] == "EPD-DRIVER":
                 return words[1].split(" ")
+
+
+@pytest.fixture(scope="session")
+def sglang_env() -> SGLangEnv:
+    """The interop environment; skip (or, required, fail) when missing or stale."""
+    path = sglang_dir()
+    stamp = path / STAMP_NAME
+    have = stamp.read_text().strip() if stamp.is_file() else None
+    if have == expected_stamp():
+        return SGLangEnv(path)
+    problem = (f"the SGLang interop environment in {path} is "
+               f"{'missing' if have is None else 'stale'}: run `bash tools/sglang_env.sh`")
+    if os.environ.get("EPD_REQUIRE_SGLANG") == "1":
+        pytest.fail(problem)
+    pytest.skip(problem)

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from epd_trio.errors import RequestError, TransferTimeout
 from epd_trio.protocol import sglang
 
-from sglang_harness import SGLangEnv
+from sglang_harness import SGLangEnv, sglang_env  # noqa: F401 (a fixture)
 
 RECEIVER_CLASS = "sglang.srt.disaggregation.encoder.receiver.EmbeddingData"
 MODALITY_CLASS = "sglang.srt.multimodal.modality.Modality"

@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 import httpx
 import trio
 import trio.testing
-from sglang_harness import DriverLines, SGLangEnv
+from sglang_harness import DriverLines, SGLangEnv, sglang_env  # noqa: F401 (a fixture)
 
 from epd_trio import BootstrapConfig, serve_bootstrap
 from epd_trio.bootstrap.registration import open_registration
