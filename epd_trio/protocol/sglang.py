@@ -25,7 +25,8 @@ import enum
 import io
 import math
 import pickle
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, Final
 
 import torch
@@ -46,7 +47,8 @@ __all__ = [
 
 EMBEDDING_DATA_CLASS: Final = ("sglang.srt.disaggregation.encoder.receiver", "EmbeddingData")
 MODALITY_CLASS: Final = ("sglang.srt.multimodal.modality", "Modality")
-MODALITY_VALUES: Final = {"image": 1, "video": 2, "audio": 3}  # SGLang's Modality(Enum), auto()
+# SGLang's ``Modality(Enum)`` numbers its members with auto(): IMAGE=1, VIDEO=2, AUDIO=3.
+MODALITY_VALUES: Final[Mapping[str, int]] = MappingProxyType({"image": 1, "video": 2, "audio": 3})
 PICKLE_PROTOCOL: Final = 4  # pickle.dumps' default on the Pythons SGLang supports
 MAX_ERROR_MESSAGE: Final = 4096
 
@@ -66,16 +68,20 @@ class _Modality(enum.Enum):
     AUDIO = 3
 
 
-_GLOBAL_NAMES: Final[dict[object, tuple[str, str]]] = {
+_GLOBAL_NAMES: Final[Mapping[object, tuple[str, str]]] = MappingProxyType({
     _EmbeddingData: EMBEDDING_DATA_CLASS,
     _Modality: MODALITY_CLASS,
-}
+})
 # torch.dtype reduces to its bare name; name the module ourselves instead of
 # letting pickle search sys.modules for one that happens to hold it.
-_DTYPE_NAMES: Final = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+_DTYPE_NAMES: Final[Mapping[torch.dtype, str]] = MappingProxyType(
+    {dtype: name for name, dtype in TORCH_DTYPES.items()})
 
 
 class _SGLangPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
+    """The C pickler looks every global up by importing it; this one writes the
+    stand-ins under SGLang's names, so neither sglang nor a fake of it is imported."""
+
     def save_global(self, obj: object, name: str | None = None) -> None:
         target = _GLOBAL_NAMES.get(obj) if isinstance(obj, type) else None
         if isinstance(obj, torch.dtype) and obj in _DTYPE_NAMES:
