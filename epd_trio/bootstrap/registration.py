@@ -1,9 +1,11 @@
 """The encoder side of the registry: announce this encoder to every registry.
 
 Each registry gets its own task, so one that is down delays no other. A task
-registers (``POST /register_encoder_url``), and on failure retries with capped
-exponential backoff for as long as the encoder lives — it never gives up,
-since a registry started after its encoders must still learn of them. Once
+registers (``POST /register_encoder_url``; any 2xx is success, whatever the
+body, so SGLang's ``EncoderBootstrapServer``, which answers the text ``OK``,
+serves as a registry too), and on failure retries with capped exponential
+backoff for as long as the encoder lives — it never gives up, since a
+registry started after its encoders must still learn of them. Once
 registered it re-announces every ``heartbeat_interval`` (the registry ignores
 duplicates), so a restarted registry is refilled within one heartbeat.
 
@@ -108,19 +110,16 @@ class Registration:
 
     async def _register_once(self, link: _Link) -> bool:
         link.attempts += 1
-        body = None
         try:
             response = await self._call("POST", link.url + "/register_encoder_url")
-            if response.status_code == 200:
-                body = response.json()
-            error = f"HTTP {response.status_code}: {response.text[:200]}"
-        except (httpx.HTTPError, ValueError, trio.TooSlowError) as exc:
-            error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        if isinstance(body, dict):
-            self._succeeded(link, bool(body.get("registered")))
-            return True
-        self._failed(link, error)
-        return False
+        except (httpx.HTTPError, trio.TooSlowError) as exc:
+            self._failed(link, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            return False
+        if not response.is_success:
+            self._failed(link, f"HTTP {response.status_code}: {response.text[:200]}")
+            return False
+        self._succeeded(link, _newly_added(response))
+        return True
 
     def _succeeded(self, link: _Link, added: bool) -> None:
         if link.streak or link.last_ok is None:
@@ -164,7 +163,7 @@ class Registration:
             log.info("could not unregister %s from %s: %s", self.advertise_url, link.url, exc)
             return
         link.registered = False
-        if response.status_code == 200:
+        if response.is_success:
             self._unregistered += 1
             log.info("unregistered %s from %s", self.advertise_url, link.url)
         else:
@@ -180,6 +179,17 @@ class Registration:
         links = self.statistics().links
         ok = sum(link.registered for link in links)
         return f"<Registration {self.advertise_url}: registered with {ok}/{len(links)} registries>"
+
+
+def _newly_added(response: httpx.Response) -> bool:
+    """Whether a 2xx answer says the registry had not known us (ours answers JSON
+    ``{"registered": bool}``); any other 2xx body, such as SGLang's
+    ``EncoderBootstrapServer`` answering the text ``OK``, is a success that says nothing more."""
+    try:
+        body = response.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and bool(body.get("registered"))
 
 
 @asynccontextmanager

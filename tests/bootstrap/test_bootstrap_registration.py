@@ -2,8 +2,9 @@
 
 ``FakeRegistry`` is an httpx ``MockTransport`` handler that follows a script of
 ``(from_time, state)``: ``"up"``, ``"down"`` (connection refused), ``"hang"``
-(never answers), ``"error"`` (HTTP 503) or ``"restart"`` (up, having forgotten
-everyone). No sockets: virtual time only moves when everything waits.
+(never answers), ``"error"`` (HTTP 503), ``"restart"`` (up, having forgotten
+everyone), ``"text"`` (up, answering like SGLang's ``EncoderBootstrapServer``:
+200 with the text ``OK``) or ``"garbage"`` (503 with a non-JSON body). No sockets: virtual time only moves when everything waits.
 """
 
 from __future__ import annotations
@@ -49,7 +50,12 @@ class FakeRegistry:
             await trio.sleep_forever()
         if state == "error":
             return httpx.Response(503, json={"error": {"type": "x", "message": "y"}, "req_id": None})
+        if state == "garbage":
+            return httpx.Response(503, text="<html>bad gateway</html>")
         url = json.loads(request.content)["url"]
+        if state == "text":
+            (self.urls.add if request.method == "POST" else self.urls.discard)(url)
+            return httpx.Response(200, text="OK")
         if request.method == "POST":
             added = url not in self.urls
             self.urls.add(url)
@@ -89,6 +95,28 @@ async def test_retry_schedule_is_capped_exponential_until_it_succeeds(autojump_c
     assert (link.registered, link.attempts, link.failures, link.streak, link.last_ok) == (
         True, 11, 8, 0, 83.5)
     assert link.last_error is not None and link.last_error.startswith("HTTP 503: ")
+
+
+async def test_a_2xx_with_a_text_body_is_a_success(autojump_clock: trio.abc.Clock) -> None:
+    # SGLang's EncoderBootstrapServer answers 200 "OK": registered once, then only heartbeats.
+    registry = FakeRegistry("http://reg:8997", [(0, "text")])
+    async with client_for(registry) as http:
+        async with open_registration([registry.url], ME, heartbeat_interval=30.0, http=http) as reg:
+            await trio.sleep(65.0)
+            assert registry.urls == {ME}
+    assert registry.times() == [0.0, 30.0, 60.0] and registry.times("DELETE") == [65.0]
+    (link,) = reg.statistics().links
+    assert (link.attempts, link.failures, link.last_ok, link.last_error) == (3, 0, 60.0, None)
+    assert registry.urls == set() and reg.statistics().unregistered == 1
+
+
+async def test_a_non_2xx_with_a_text_body_is_a_failure(autojump_clock: trio.abc.Clock) -> None:
+    registry = FakeRegistry("http://reg:8997", [(0, "garbage"), (1, "text")])
+    reg = await announce([registry], 2.0, heartbeat_interval=30.0)
+    assert registry.times() == [0.0, 0.5, 1.5]
+    (link,) = reg.statistics().links
+    assert (link.registered, link.failures, link.last_error) == (
+        True, 2, "HTTP 503: <html>bad gateway</html>")
 
 
 async def test_it_never_gives_up(autojump_clock: trio.abc.Clock) -> None:

@@ -1,0 +1,93 @@
+"""Running SGLang 0.5.23's own code (``sglang_driver.py``) in subprocesses.
+
+SGLang's tree lives in ``<repo>/.sglang`` (or ``EPD_SGLANG_DIR``), installed by
+``tools/sglang_env.sh``, and is put on ``PYTHONPATH`` only for the driver's
+processes: importing it in the test process would drag its pinned
+FastAPI/pydantic stack, its import-time warnings and its global state along.
+
+Tests take the ``sglang_env`` fixture (imported from here: a ``conftest.py`` in
+this folder would shadow ``tests/conftest.py``, which other tests import by
+name). Without the environment they skip, unless ``EPD_REQUIRE_SGLANG=1`` (CI),
+where a missing or stale one fails them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import trio
+
+ROOT = Path(__file__).resolve().parents[2]
+REQUIREMENTS = ROOT / "tools" / "sglang-requirements.txt"
+DRIVER = Path(__file__).with_name("sglang_driver.py")
+STAMP_NAME = ".epd-sglang-installed"  # written by tools/sglang_env.sh once SGLang imports
+DRIVER_TIMEOUT = 600.0  # importing SGLang alone takes ~10 s, a minute on a busy machine
+
+
+def sglang_dir() -> Path:
+    return Path(os.environ.get("EPD_SGLANG_DIR") or ROOT / ".sglang")
+
+
+def expected_stamp() -> str:
+    """Must match what tools/sglang_env.sh writes: the pinned list's hash and the Python."""
+    digest = hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()
+    return f"{digest} py{sys.version_info.major}.{sys.version_info.minor}"
+
+
+@dataclass(frozen=True)
+class SGLangEnv:
+    path: Path
+
+    def command(self, *args: str) -> list[str]:
+        return [sys.executable, str(DRIVER), *args]
+
+    def environ(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        return {**env, "PYTHONPATH": str(self.path), "PYTHONWARNINGS": "ignore"}
+
+    def run(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(self.command(*args), env=self.environ(), capture_output=True,
+                              text=True, timeout=DRIVER_TIMEOUT, check=False)
+
+
+class DriverLines:
+    """Reads the driver's ``EPD-DRIVER`` lines from its stdout, skipping SGLang's own prints."""
+
+    def __init__(self, process: trio.Process) -> None:
+        assert process.stdout is not None
+        self._stream = process.stdout
+        self._buffer = bytearray()
+
+    async def next(self) -> list[str]:
+        while True:
+            while b"\n" not in self._buffer:
+                chunk = await self._stream.receive_some()
+                if not chunk:
+                    raise EOFError("the SGLang driver exited")
+                self._buffer += chunk
+            line, _, rest = self._buffer.partition(b"\n")
+            self._buffer = bytearray(rest)
+            words = line.decode(errors="replace").split(" ", 1)
+            if words[0] == "EPD-DRIVER":
+                return words[1].split(" ")
+
+
+@pytest.fixture(scope="session")
+def sglang_env() -> SGLangEnv:
+    """The interop environment; skip (or, required, fail) when missing or stale."""
+    path = sglang_dir()
+    stamp = path / STAMP_NAME
+    have = stamp.read_text().strip() if stamp.is_file() else None
+    if have == expected_stamp():
+        return SGLangEnv(path)
+    problem = (f"the SGLang interop environment in {path} is "
+               f"{'missing' if have is None else 'stale'}: run `bash tools/sglang_env.sh`")
+    if os.environ.get("EPD_REQUIRE_SGLANG") == "1":
+        pytest.fail(problem)
+    pytest.skip(problem)
