@@ -114,7 +114,9 @@ class EncoderService:
         try:
             if self.draining:
                 raise NotReadyError("the encoder is draining and accepts no new requests")
-            scope = self.registry.admit(request, delivery or self.delivery_for(request),
+            if delivery is None:
+                delivery = self.delivery_for(request)
+            scope = self.registry.admit(request, delivery,
                                         deadline=trio.current_time() + self.config.request_timeout)
         except EPDError as exc:  # refused before a scope existed (a scope counts its own outcome)
             self.metrics.request(request.modality, exc)
