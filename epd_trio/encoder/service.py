@@ -23,7 +23,14 @@ import outcome
 import trio
 
 from epd_trio.config import EncoderConfig
-from epd_trio.delivery import Answer, Delivery, DeliveryContext, PulledDelivery, build_delivery
+from epd_trio.delivery import (
+    Answer,
+    Delivery,
+    DeliveryContext,
+    PulledDelivery,
+    build_delivery,
+    open_deliveries,
+)
 from epd_trio.encoder.health import HealthMonitor
 from epd_trio.encoder.metrics import ServiceMetrics
 from epd_trio.encoder.profiling import Profiler
@@ -38,8 +45,6 @@ from epd_trio.errors import (
     RequestError,
 )
 from epd_trio.protocol.requests import EncodeMeta, EncodeRequest
-from epd_trio.transport.mooncake import MooncakeTransport, open_mooncake
-from epd_trio.transport.zmq import PushSocketCache
 
 __all__ = ["EncoderService", "Health", "open_encoder_service"]
 
@@ -47,8 +52,6 @@ log = logging.getLogger(__name__)
 
 # A final error notice to a receiver must not hold shutdown or a release for long.
 _ERROR_NOTICE_TIMEOUT: Final = 5.0
-# Threads that build large inline answers off the event loop (each holds one body).
-_DELIVERY_THREADS: Final = 2
 
 
 @dataclass(frozen=True)
@@ -78,12 +81,11 @@ def _meta(request: EncodeRequest, modality: str, token_counts: Any, grid_thw: An
 class EncoderService:
     """Owns the live request scopes of one encoder; build with ``open_encoder_service``."""
 
-    def __init__(self, config: EncoderConfig, engine: Engine, zmq: PushSocketCache,
-                 nursery: trio.Nursery, mooncake: MooncakeTransport | None = None) -> None:
+    def __init__(self, config: EncoderConfig, engine: Engine, deliveries: DeliveryContext,
+                 nursery: trio.Nursery) -> None:
         self.config = config
         self.engine = engine
-        self.zmq = zmq
-        self.mooncake = mooncake
+        self.deliveries = deliveries  # the transports deliveries borrow
         self.registry = ScopeRegistry()
         self.health = HealthMonitor(engine, nursery, timeout=config.health_timeout,
                                     fresh=config.health_fresh)
@@ -91,13 +93,11 @@ class EncoderService:
         self.draining = False
         self.metrics = ServiceMetrics(self)
         self.profiler = Profiler(config.profile_dir, nursery)
-        self._deliveries = DeliveryContext(zmq, mooncake, config.send_timeout,
-                                           trio.CapacityLimiter(_DELIVERY_THREADS))
         # The seam that builds a request's delivery; ``epd_trio.testing`` wraps it.
         self.delivery_for: Callable[[EncodeRequest], Delivery] = self._build_delivery
 
     def _build_delivery(self, request: EncodeRequest) -> Delivery:
-        return build_delivery(request, self._deliveries)
+        return build_delivery(request, self.deliveries)
 
     # ---- the faces' API -----------------------------------------------------
     @property
@@ -233,6 +233,7 @@ class EncoderService:
 
     def statistics(self) -> dict[str, Any]:
         registry, engine = self.registry.statistics(), self.engine.statistics()
+        zmq, mooncake = self.deliveries.zmq, self.deliveries.mooncake
         return {
             "live_requests": registry.live_requests, "queued": engine.queued,
             "requests_done": engine.requests_done, "batches_run": engine.batches_run,
@@ -242,8 +243,8 @@ class EncoderService:
             "workers": [dataclasses.asdict(w) for w in self.engine.worker_states()],
             "cache": dataclasses.asdict(engine.cache) if engine.cache is not None else None,
             "profiler": dataclasses.asdict(self.profiler.statistics()),
-            "zmq": dataclasses.asdict(self.zmq.statistics()),
-            "mooncake": dataclasses.asdict(self.mooncake.statistics()) if self.mooncake else None,
+            "zmq": dataclasses.asdict(zmq.statistics()),
+            "mooncake": dataclasses.asdict(mooncake.statistics()) if mooncake else None,
             "health": dataclasses.asdict(self.health.statistics()),
         }
 
@@ -256,10 +257,8 @@ class EncoderService:
 @asynccontextmanager
 async def open_encoder_service(config: EncoderConfig, engine: Engine) -> AsyncIterator[EncoderService]:
     """The service with its ZMQ socket cache and request nursery; drains on exit."""
-    async with PushSocketCache(max_sockets=config.zmq_max_sockets,
-                               idle_close=config.zmq_idle_close) as zmq, \
-            _maybe_mooncake(config) as mooncake, trio.open_nursery() as nursery:
-        service = EncoderService(config, engine, zmq, nursery, mooncake)
+    async with open_deliveries(config) as deliveries, trio.open_nursery() as nursery:
+        service = EncoderService(config, engine, deliveries, nursery)
         observers = (service.metrics, service.profiler)
         engine.observers.extend(observers)
         try:
@@ -271,13 +270,3 @@ async def open_encoder_service(config: EncoderConfig, engine: Engine) -> AsyncIt
             for observer in observers:
                 engine.observers.remove(observer)
             service.profiler.close()
-
-
-@asynccontextmanager
-async def _maybe_mooncake(config: EncoderConfig) -> AsyncIterator[MooncakeTransport | None]:
-    if config.transfer_backend != "mooncake":
-        yield None
-        return
-    host = config.mooncake_host or ("127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host)
-    async with open_mooncake(host, config.mooncake_protocol, config.mooncake_device) as mooncake:
-        yield mooncake
