@@ -80,3 +80,37 @@ async def test_live_keys_are_unique_and_known() -> None:
         await s.release()
     with trio.fail_after(1):
         await registry.wait_idle()
+
+
+async def test_shutdown_answers_every_waiter_and_releases_every_scope(qwen25_path: str) -> None:
+    """Two requests stuck in their send (nobody listens) when the service closes:
+    the drain cancels them, each waiter gets a 503, each scope ends aborted."""
+    from conftest import image_uri
+    from epd_trio.config import EncoderConfig, EngineConfig
+    from epd_trio.encoder.service import open_encoder_service
+    from epd_trio.engine import open_engine
+    from epd_trio.errors import NotReadyError
+    from epd_trio.protocol.requests import parse_encode_request
+
+    config = EncoderConfig(engine=EngineConfig(model_path=qwen25_path), send_timeout=60.0,
+                           drain_timeout=0.2)
+    answers: list[BaseException] = []
+
+    async def waiter(service, req_id: str) -> None:  # type: ignore[no-untyped-def]
+        request = parse_encode_request({"req_id": req_id, "modality": "image", "mm_items": [image_uri()],
+                                        "deliver": {"backend": "zmq", "endpoint": "tcp://127.0.0.1:9"}})
+        try:
+            await service.encode(request)
+        except NotReadyError as exc:
+            answers.append(exc)
+
+    with trio.fail_after(60):
+        async with open_engine(config.engine) as engine, trio.open_nursery() as waiters:
+            async with open_encoder_service(config, engine) as service:
+                for req_id in ("a", "b"):
+                    waiters.start_soon(waiter, service, req_id)
+                while service.registry.statistics().live_requests < 2 or any(
+                        s.phase != "encoded" for s in service.registry.live()):
+                    await trio.sleep(0.01)
+            registry = service.registry.statistics()
+    assert len(answers) == 2 and registry == RegistryStatistics(0, 2, 0, 0, 2), (answers, registry)
