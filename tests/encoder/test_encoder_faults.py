@@ -35,6 +35,7 @@ async def test_a_fault_at_send_fails_the_request_and_still_tells_the_receiver(
             await service.encode(zmq_request("faulty", pull.last_endpoint))
         with trio.fail_after(10):
             header, tensor = await pull.receive()
+            await service.registry.wait_idle()  # the notice goes out before the release
         assert (header.req_id, header.kind, tensor) == ("faulty", "error", None)
         assert header.error is not None and header.error.type == expected.__name__
         assert plan.hits == {"send": 1, "release": 1}, plan.hits  # released despite its fault
@@ -44,4 +45,5 @@ async def test_a_fault_at_send_fails_the_request_and_still_tells_the_receiver(
         await service.encode(zmq_request("clean", pull.last_endpoint))
         with trio.fail_after(10):
             header, _ = await pull.receive()
+            await service.registry.wait_idle()
         assert (header.req_id, header.kind, plan.hits) == ("clean", "embedding", {"send": 1, "release": 1})
