@@ -22,6 +22,7 @@ reaches a face as a 500.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -95,6 +96,11 @@ class DeliveryContext:
     mooncake: MooncakeTransport | None
     send_timeout: float
     threads: trio.CapacityLimiter  # inline bodies built off the event loop
+
+    def statistics(self) -> dict[str, Any]:
+        """Each transport's statistics by name, for ``/stats`` (None: not opened)."""
+        return {"zmq": dataclasses.asdict(self.zmq.statistics()),
+                "mooncake": dataclasses.asdict(self.mooncake.statistics()) if self.mooncake else None}
 
 
 DeliveryFactory = Callable[[EncodeRequest, DeliveryContext], Delivery]

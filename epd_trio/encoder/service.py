@@ -233,7 +233,6 @@ class EncoderService:
 
     def statistics(self) -> dict[str, Any]:
         registry, engine = self.registry.statistics(), self.engine.statistics()
-        zmq, mooncake = self.deliveries.zmq, self.deliveries.mooncake
         return {
             "live_requests": registry.live_requests, "queued": engine.queued,
             "requests_done": engine.requests_done, "batches_run": engine.batches_run,
@@ -243,8 +242,7 @@ class EncoderService:
             "workers": [dataclasses.asdict(w) for w in self.engine.worker_states()],
             "cache": dataclasses.asdict(engine.cache) if engine.cache is not None else None,
             "profiler": dataclasses.asdict(self.profiler.statistics()),
-            "zmq": dataclasses.asdict(zmq.statistics()),
-            "mooncake": dataclasses.asdict(mooncake.statistics()) if mooncake else None,
+            **self.deliveries.statistics(),  # each transport's
             "health": dataclasses.asdict(self.health.statistics()),
         }
 
@@ -256,7 +254,7 @@ class EncoderService:
 
 @asynccontextmanager
 async def open_encoder_service(config: EncoderConfig, engine: Engine) -> AsyncIterator[EncoderService]:
-    """The service with its ZMQ socket cache and request nursery; drains on exit."""
+    """The service with the transports its deliveries borrow and its request nursery; drains on exit."""
     async with open_deliveries(config) as deliveries, trio.open_nursery() as nursery:
         service = EncoderService(config, engine, deliveries, nursery)
         observers = (service.metrics, service.profiler)

@@ -69,3 +69,23 @@ def test_map_exceptions_passes_ours_and_bugs_through() -> None:
     with pytest.raises(KeyError):  # not a transport failure: a bug stays a bug
         with map_exceptions(mapping, "write"):
             raise KeyError("bug")
+
+
+def test_the_service_and_its_face_name_no_backend_and_the_face_no_transport() -> None:
+    """Variation lives behind the contract: no ``backend == "zmq"`` in the lifecycle,
+    no transport import in a face."""
+    import ast
+    from pathlib import Path
+
+    import epd_trio
+
+    root = Path(epd_trio.__file__).parent
+    for name in ("encoder/service.py", "encoder/scope.py", "encoder/app.py"):
+        tree = ast.parse((root / name).read_text())
+        names = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in BACKENDS]
+        assert names == [], f"{name} names backends {names}"
+        imports = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+        assert not [m for m in imports if m.startswith("epd_trio.transport")], (name, imports)
+    app = ast.parse((root / "encoder/app.py").read_text())
+    modules = {n.module for n in ast.walk(app) if isinstance(n, ast.ImportFrom)}
+    assert not {m for m in modules if m and m.startswith(("epd_trio.delivery", "zmq"))}, modules
