@@ -12,7 +12,6 @@ import dataclasses
 import logging
 from typing import Any
 
-import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 
@@ -21,9 +20,7 @@ from epd_trio._version import __version__
 from epd_trio.encoder.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from epd_trio.encoder.profiling import parse_profile_request
 from epd_trio.encoder.service import EncoderService
-from epd_trio.encoder.staging import SendOrder
 from epd_trio.errors import EPDError, HeadersTooLargeError
-from epd_trio.protocol.codec import encode_safetensors
 from epd_trio.protocol.requests import (
     parse_abort_request,
     parse_encode_request,
@@ -93,16 +90,10 @@ def _routes(app: QuartTrio, service: EncoderService) -> None:
             answer = await service.encode(req)
         except EPDError as exc:
             return json_error(exc, _peek_req_id(body))
-        if req.deliver.backend == "inline":
-            started = trio.current_time()
-            data = encode_safetensors(answer.embedding, {
-                "req_id": req.req_id, "part_idx": req.part_idx, "num_parts": req.num_parts,
-                "modality": answer.modality, "token_counts": answer.token_counts,
-                "grid_thw": answer.grid_thw, "extras": answer.extras})
-            service.metrics.stage("send", trio.current_time() - started)
-            return Response(data, status=200, mimetype=SAFETENSORS_MIME)
-        meta = answer.meta().to_json()
-        if req.deliver.backend == "mooncake":
+        if answer.body is not None:  # the embedding is the answer (inline)
+            return Response(answer.body, status=200, mimetype=SAFETENSORS_MIME)
+        meta = answer.meta.to_json()
+        if answer.nbytes is not None:  # the receiver pulls it later (Mooncake): reserve this much
             meta["nbytes"] = answer.nbytes
         return json_response(meta)
 
@@ -111,8 +102,8 @@ def _routes(app: QuartTrio, service: EncoderService) -> None:
         body = await _body()
         try:
             req = parse_send_request(body)
-            order = SendOrder(req.session, req.buffer_address, req.buffer_length)
-            nbytes = await service.send(req.req_id, req.part_idx, order)
+            nbytes = await service.send(req.req_id, req.part_idx, session=req.session,
+                                        address=req.buffer_address, length=req.buffer_length)
         except EPDError as exc:
             return json_error(exc, _peek_req_id(body))
         return json_response({"req_id": req.req_id, "part_idx": req.part_idx, "nbytes": nbytes})
@@ -124,18 +115,17 @@ def _routes(app: QuartTrio, service: EncoderService) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        if service.draining:
+        report = await service.check_health()
+        if report.status == "draining":
             return json_response({"status": "draining"}, 503)
-        report = await service.health.check()
-        status = "ok" if report.healthy else "unhealthy"
-        body = {"status": status, "probed": report.probed, "detail": report.detail}
+        body = {"status": report.status, "probed": report.probed, "detail": report.detail}
         if report.dead_workers:
             body["dead_workers"] = list(report.dead_workers)
         return json_response(body, 200 if report.healthy else 503)
 
     @app.get("/model_info")
     async def model_info() -> Response:
-        info = dataclasses.asdict(service.engine.model_info)
+        info = dataclasses.asdict(service.model_info)
         layout = [{"name": name, "width": width} for name, width in info["embedding_layout"]]
         return json_response({**info, "modalities": list(info["modalities"]),
                               "embedding_layout": layout, "version": __version__})

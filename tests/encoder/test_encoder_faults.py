@@ -1,0 +1,49 @@
+"""Fault points of the encoder service, installed by wrapping its deliveries."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+
+from conftest import image_uri
+from epd_trio.errors import AbortedError, TransportError
+from epd_trio.protocol.requests import parse_encode_request
+from epd_trio.testing import Fault, FaultPlan, install_faults
+from epd_trio.testing.encoder_faults import FaultyDelivery
+from epd_trio.transport.zmq import PullReceiver
+
+
+def zmq_request(req_id: str, endpoint: str) -> Any:
+    return parse_encode_request({"req_id": req_id, "modality": "image", "mm_items": [image_uri()],
+                                 "deliver": {"backend": "zmq", "endpoint": endpoint}})
+
+
+@pytest.mark.parametrize(("fault", "expected"), [
+    (Fault("send", error=lambda p: TransportError(f"injected at {p}")), TransportError),
+    (Fault("send", cancel=True), AbortedError),
+])
+async def test_a_fault_at_send_fails_the_request_and_still_tells_the_receiver(
+        encoder: Any, fault: Fault, expected: type[Exception]) -> None:
+    async with encoder(send_timeout=1.0) as (server, _), PullReceiver() as pull:
+        service = server.service
+        plan = FaultPlan(0, [fault, Fault("release", error=lambda p: TransportError(p))])
+        install_faults(plan, service)
+        assert isinstance(service.delivery_for(zmq_request("probe", pull.last_endpoint)), FaultyDelivery)
+        with pytest.raises(expected):
+            await service.encode(zmq_request("faulty", pull.last_endpoint))
+        with trio.fail_after(10):
+            header, tensor = await pull.receive()
+            await service.registry.wait_idle()  # the notice goes out before the release
+        assert (header.req_id, header.kind, tensor) == ("faulty", "error", None)
+        assert header.error is not None and header.error.type == expected.__name__
+        assert plan.hits == {"send": 1, "release": 1}, plan.hits  # released despite its fault
+        stats = service.registry.statistics()
+        assert (stats.live_requests, stats.failed + stats.aborted) == (0, 1), stats
+        install_faults(None, service)  # removed: the next request is clean
+        await service.encode(zmq_request("clean", pull.last_endpoint))
+        with trio.fail_after(10):
+            header, _ = await pull.receive()
+            await service.registry.wait_idle()
+        assert (header.req_id, header.kind, plan.hits) == ("clean", "embedding", {"send": 1, "release": 1})
