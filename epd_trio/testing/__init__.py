@@ -1,10 +1,13 @@
 """Tools for proving that nothing leaks and nothing hangs: fault plans and quiescence.
 
 ``FaultPlan`` injects a delay, an exception or a cancellation at named points
-of the request lifecycle. Components hold ``faults: FaultPlan | None = None``
-and call ``inject`` only when one is installed, so a plan costs one attribute
-check when absent. Plans are installed from Python only (``install_faults``):
-no flag, variable or endpoint can reach them.
+of the request lifecycle. Production code has no fault branch: ``install_faults``
+wraps an owner's seams (the engine's media source, preprocessing step and
+admission; a scheduler's forward; the service's deliveries; the client's
+dispatch, gather and demultiplexer hand-off) with wrappers that ask the plan,
+one installer module per part (``engine_faults``, ``encoder_faults``,
+``client_faults``). Without a plan nothing is wrapped, so it costs nothing.
+Plans are installed from Python only: no flag, variable or endpoint can reach them.
 
 ``assert_quiescent`` walks every owner's ``statistics()`` and checks that each
 count of live things is back to its idle value, naming the owner and field

@@ -137,10 +137,10 @@ async def test_send_waiting_on_a_failed_forward_learns_why(encoder: Any) -> None
         async def run_sync(fn: Any, payloads: Any, **kw: Any) -> Any:
             return await real_run_sync(failing_forward, payloads, **kw)
 
-        async def send(*args: Any) -> int:
+        async def send(*args: Any, **kw: Any) -> int:
             running_at_send.append(scheduler.statistics().running)
             send_arrived.set()  # no checkpoint before real_send has posted its order
-            return await real_send(*args)
+            return await real_send(*args, **kw)
 
         scheduler.run_sync, server.service.send = run_sync, send
         try:
