@@ -1,0 +1,111 @@
+"""Preprocessing in processes: the same inputs as threads, and nothing left behind."""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+import trio.testing
+
+from conftest import png_bytes, random_image
+from epd_trio import open_engine
+from epd_trio.engine.preprocess_pool import PoolSpec, open_preprocess_pool
+from epd_trio.errors import PayloadTooLargeError, RequestError
+from epd_trio.model.loader import load_encoder
+from epd_trio.model.media import MediaLimits
+from epd_trio.model.preprocess import EncoderPreprocessor
+
+SHM = Path("/dev/shm")
+
+
+def segments() -> set[str]:
+    """This machine's POSIX shared-memory segments made by multiprocessing (``psm_*``)."""
+    return {p.name for p in SHM.glob("psm_*")} if SHM.is_dir() else set()
+
+
+def children() -> set[int]:
+    """Live child processes of this one (from /proc), less multiprocessing's resource tracker."""
+    from multiprocessing import resource_tracker
+
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # ended while we looked
+        if fields[1] == str(os.getpid()) and fields[0] != "Z":
+            found.add(int(stat.parent.name))
+    return found - {getattr(resource_tracker._resource_tracker, "_pid", None)}
+
+
+def jpeg_bytes(width: int, height: int, seed: int) -> bytes:
+    buf = io.BytesIO()
+    random_image(width, height, seed).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+async def test_processes_equal_threads_and_clean_up(qwen25_path: str) -> None:
+    limits = MediaLimits(max_image_pixels=500 * 500)
+    encoder = await trio.to_thread.run_sync(lambda: load_encoder(qwen25_path, dtype="float32"))
+    local = EncoderPreprocessor(encoder.adapter, encoder.processors, limits)
+    requests = [[png_bytes(224, 224, seed=1)], [jpeg_bytes(120, 360, 2), png_bytes(56, 84, 3)],
+                [random_image(28, 56, seed=4)]]
+    before_segments, before_children = segments(), children()
+    async with open_preprocess_pool(PoolSpec(qwen25_path, limits), workers=2) as pool:
+        assert len(children() - before_children) >= 2
+        for items in requests:
+            got = await pool.preprocess(items, "image")
+            want = local.preprocess(items, "image")
+            assert (got.grid_thw, got.token_counts, got.modality) == (
+                want.grid_thw, want.token_counts, want.modality)
+            assert got.inputs.keys() == want.inputs.keys()
+            for key, value in want.inputs.items():
+                assert got.inputs[key].dtype == value.dtype and torch.equal(got.inputs[key], value)
+        # errors come back typed, by name, with the item named
+        with pytest.raises(PayloadTooLargeError, match="item 1"):
+            await pool.preprocess([png_bytes(28, 28), png_bytes(600, 600)], "image")
+        with pytest.raises(RequestError, match="item 0: bytes are not an image"):
+            await pool.preprocess([b"garbage"], "image")
+        # cancelled while the children work (and while waiting for one): nothing leaks
+        big = [png_bytes(480, 480, seed=s) for s in range(3)]
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(pool.preprocess, big, "image")
+            await trio.testing.wait_all_tasks_blocked()
+            assert pool.statistics().running == 2  # two in the children, two waiting their turn
+            nursery.cancel_scope.cancel()
+        assert pool.statistics().running == 0
+        ok = await pool.preprocess([png_bytes(56, 56)], "image")
+        assert ok.token_counts == (4,)
+        stats = pool.statistics()
+        assert stats.failed == 2 and stats.restarts == 0
+    assert segments() <= before_segments
+    assert children() <= before_children
+
+
+async def test_engine_in_process_mode_equals_thread_mode(qwen25_path: str) -> None:
+    items = [png_bytes(112, 84, seed=5), jpeg_bytes(224, 224, 6)]
+    before_segments = segments()
+    async with open_engine(model_path=qwen25_path, dtype="float32") as engine:
+        want = await engine.encode(items, "image")
+    async with open_engine(model_path=qwen25_path, dtype="float32", preprocess_mode="process",
+                           preprocess_workers=1) as engine:
+        assert engine.preprocess_pool is not None
+        got = await engine.encode(items, "image")
+        assert engine.preprocess_pool.statistics().done == 1
+    assert got.token_counts == want.token_counts and got.grid_thw == want.grid_thw
+    assert torch.equal(got.embedding, want.embedding)
+    assert segments() <= before_segments
+
+
+async def test_engine_preprocess_device_cpu_equals_default(qwen25_path: str) -> None:
+    items = [jpeg_bytes(224, 224, 7), png_bytes(120, 360, 8)]
+    async with open_engine(model_path=qwen25_path, dtype="float32") as engine:
+        want = await engine.encode(items, "image")
+    async with open_engine(model_path=qwen25_path, dtype="float32", preprocess_device="cpu") as engine:
+        got = await engine.encode(items, "image")
+    assert torch.allclose(got.embedding, want.embedding, rtol=0, atol=0)
