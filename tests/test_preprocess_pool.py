@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,9 @@ import trio
 import trio.testing
 
 from conftest import png_bytes, random_image
-from epd_trio import open_engine
+from epd_trio import EngineConfig, open_engine
 from epd_trio.engine.preprocess_pool import PoolSpec, open_preprocess_pool
-from epd_trio.errors import PayloadTooLargeError, RequestError
+from epd_trio.errors import EncodeError, PayloadTooLargeError, RequestError
 from epd_trio.model.loader import load_encoder
 from epd_trio.model.media import MediaLimits
 from epd_trio.model.preprocess import EncoderPreprocessor
@@ -109,3 +110,25 @@ async def test_engine_preprocess_device_cpu_equals_default(qwen25_path: str) -> 
     async with open_engine(model_path=qwen25_path, dtype="float32", preprocess_device="cpu") as engine:
         got = await engine.encode(items, "image")
     assert torch.allclose(got.embedding, want.embedding, rtol=0, atol=0)
+
+
+async def test_a_dead_child_fails_its_request_and_the_pool_restarts(qwen25_path: str) -> None:
+    before_segments, before_children = segments(), children()
+    async with open_preprocess_pool(PoolSpec(qwen25_path, MediaLimits()), workers=1) as pool:
+        (child,) = children() - before_children
+        os.kill(child, signal.SIGKILL)
+        with pytest.raises(EncodeError, match="preprocessing process died"):
+            await pool.preprocess([png_bytes(56, 56)], "image")
+        ok = await pool.preprocess([png_bytes(56, 56)], "image")
+        assert ok.token_counts == (4,)
+        assert pool.statistics().restarts == 1
+    assert segments() <= before_segments
+    assert children() <= before_children
+
+
+def test_config_refuses_unknown_modes_and_device_processes() -> None:
+    with pytest.raises(ValueError, match="preprocess_mode"):
+        EngineConfig(preprocess_mode="fork")
+    with pytest.raises(ValueError, match="cannot take preprocess_device"):
+        EngineConfig(preprocess_mode="process", preprocess_device="cuda")
+    assert EngineConfig(preprocess_mode="process", preprocess_device="cpu").preprocess_device == "cpu"

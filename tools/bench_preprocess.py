@@ -13,9 +13,11 @@ callers each preprocess one image at a time from a shared list:
 * with ``--device cuda``: also the thread path with the processor on the
   device (``--preprocess-device``), JPEG decoded there too.
 
-Also: decode alone, PIL against torchvision (ms per image). Each point is the
-median of ``--repeat`` runs; the load average is printed before and after,
-because on a shared machine the other tenants move the numbers.
+Also: decode alone, PIL against torchvision (ms per image). Every pool is
+started first; then the configurations take turns, case by case, ``--repeat``
+rounds, and each point is the median of its rounds, so a load that drifts hits
+all of them alike. The load average is printed before and after: on a shared
+machine the other tenants move the numbers.
 
 Usage::
 
@@ -26,6 +28,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import os
 import statistics
@@ -77,41 +80,34 @@ async def rate(step: Callable[[list[Any]], Awaitable[Any]], images: Sequence[byt
     return len(images) / (time.perf_counter() - started)
 
 
-async def measure(step: Callable[[list[Any]], Awaitable[Any]], images: Sequence[bytes],
-                  workers: int, repeat: int) -> float:
-    await rate(step, images[: 2 * workers], 2 * workers)  # warm-up
-    return statistics.median([await rate(step, images, 2 * workers) for _ in range(repeat)])
-
-
 def decode_ms(images: Sequence[bytes]) -> tuple[float, float]:
-    import torch
-    from torchvision.io import ImageReadMode, decode_image
+    """ms per image: PIL's decode + convert("RGB") against ours (torchvision's operators)."""
+    from epd_trio.model.image_decode import decode_image_tensor
+    from epd_trio.model.media import MediaLimits, decode_image
+
+    limits = MediaLimits()
 
     def pil(data: bytes) -> object:
-        return Image.open(io.BytesIO(data)).convert("RGB")
+        return decode_image(data, 0, limits)
 
     def tv(data: bytes) -> object:
-        return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        return decode_image_tensor(data, 0, limits)
 
-    times = []
-    for fn in (pil, tv):
-        runs = []
-        for _ in range(3):
+    runs: dict[Any, list[float]] = {pil: [], tv: []}
+    for _ in range(5):  # taking turns
+        for fn, times in runs.items():
             t0 = time.perf_counter()
             for data in images:
                 fn(data)
-            runs.append((time.perf_counter() - t0) / len(images) * 1e3)
-        times.append(statistics.median(runs))
-    return times[0], times[1]
+            times.append((time.perf_counter() - t0) / len(images) * 1e3)
+    return statistics.median(runs[pil]), statistics.median(runs[tv])
 
 
 async def main(args: argparse.Namespace) -> None:
     import torch
 
-    from epd_trio.engine.preprocess_pool import PoolSpec, open_preprocess_pool
     from epd_trio.model.loader import load_encoder
     from epd_trio.model.media import MediaLimits
-    from epd_trio.model.preprocess import EncoderPreprocessor
     from epd_trio.model.tiny import ensure_default_model
 
     model = args.model_path or str(ensure_default_model(Path(tempfile.gettempdir()) / "epd-bench-preprocess"))
@@ -125,38 +121,52 @@ async def main(args: argparse.Namespace) -> None:
     print(f"images per point: {', '.join(f'{s}px {counts.get(s, args.images)}' for s in args.sizes)}; "
           f"median of {args.repeat}; concurrency 2 x workers", flush=True)
 
-    results: dict[tuple[str, str, int, int], float] = {}
     modes = ["thread", "process"] + ([f"device:{args.device}"] if args.device else [])
-    for mode in modes:
-        for workers in args.workers:
-            async def run_all(step: Callable[[list[Any]], Awaitable[Any]]) -> None:
-                for fmt, size in cases:
-                    results[(mode, fmt, size, workers)] = await measure(
-                        step, images[(fmt, size)], workers, args.repeat)
+    async with contextlib.AsyncExitStack() as stack:
+        steps = {}
+        for mode in modes:
+            for workers in args.workers:
+                steps[(mode, workers)] = await make_step(stack, mode, workers, model, encoder, limits)
+        print(f"  pools started; load average {os.getloadavg()[0]:.2f}", flush=True)
+        runs: dict[tuple[str, str, int, int], list[float]] = {}
+        for rep in range(args.repeat):  # configurations take turns, so drifting load hits all alike
+            for (fmt, size), batch in images.items():
+                for (mode, workers), step in steps.items():
+                    if rep == 0:
+                        await rate(step, batch[: 2 * workers], 2 * workers)  # warm-up
+                    runs.setdefault((mode, fmt, size, workers), []).append(
+                        await rate(step, batch, 2 * workers))
+            print(f"  round {rep + 1}/{args.repeat} done", flush=True)
+    results = {key: statistics.median(values) for key, values in runs.items()}
+    report(results, modes, args.workers, cases, images)
 
-            if mode == "process":
-                async with open_preprocess_pool(PoolSpec(model, limits), workers) as pool:
-                    await run_all(lambda items, p=pool: p.preprocess(items, "image"))
-            else:
-                device = mode.split(":", 1)[1] if mode.startswith("device:") else None
-                pre = EncoderPreprocessor(encoder.adapter, encoder.processors, limits, device=device)
-                limiter = trio.CapacityLimiter(workers)
-                await run_all(lambda items, pre=pre, lim=limiter: trio.to_thread.run_sync(
-                    pre.preprocess, items, "image", None, limiter=lim))
-            print(f"  done: {mode} x {workers}", flush=True)
 
-    first = args.workers[0]
-    head = " ".join(f"{m[:7]}x{w:<3}" for m in modes for w in args.workers)
-    scale = " ".join(f"{m[:7]}/{first}" for m in modes)
-    print(f"\nimages/s (load average after {os.getloadavg()[0]:.2f})")
-    print(f"{'case':<11} {head}  scaling({args.workers[-1]} vs {first} workers): {scale}   "
-          f"decode ms PIL / torchvision")
+async def make_step(stack: contextlib.AsyncExitStack, mode: str, workers: int, model: str,
+                    encoder: Any, limits: Any) -> Callable[[list[Any]], Awaitable[Any]]:
+    from epd_trio.engine.preprocess_pool import PoolSpec, open_preprocess_pool
+    from epd_trio.model.preprocess import EncoderPreprocessor
+
+    if mode == "process":
+        pool = await stack.enter_async_context(open_preprocess_pool(PoolSpec(model, limits), workers))
+        return lambda items: pool.preprocess(items, "image")
+    device = mode.split(":", 1)[1] if mode.startswith("device:") else None
+    pre = EncoderPreprocessor(encoder.adapter, encoder.processors, limits, device=device)
+    limiter = trio.CapacityLimiter(workers)
+    return lambda items: trio.to_thread.run_sync(pre.preprocess, items, "image", None, limiter=limiter)
+
+
+def report(results: dict, modes: list[str], workers: list[int], cases: list, images: dict) -> None:
+    first, last = workers[0], workers[-1]
+    cols = [f"{m.split(':')[0]} x{w}" for m in modes for w in workers]
+    ratio_cols = [f"{m.split(':')[0]} {last}/{first}" for m in modes]
+    print(f"\nimages/s, median (load average after {os.getloadavg()[0]:.2f})")
+    print("| case | " + " | ".join(cols + ratio_cols) + " | decode ms PIL | decode ms torchvision |")
+    print("|---" * (len(cols) + len(ratio_cols) + 3) + "|")
     for fmt, size in cases:
-        row = " ".join(f"{results[(m, fmt, size, w)]:>10.1f}" for m in modes for w in args.workers)
-        ratios = " ".join(f"{results[(m, fmt, size, args.workers[-1])] / results[(m, fmt, size, first)]:>9.2f}"
-                          for m in modes)
+        row = [f"{results[(m, fmt, size, w)]:.1f}" for m in modes for w in workers]
+        ratios = [f"{results[(m, fmt, size, last)] / results[(m, fmt, size, first)]:.2f}" for m in modes]
         pil, tv = decode_ms(images[(fmt, size)][:8])
-        print(f"{fmt:<5}{size:>5}  {row}  {'':>10}{ratios}   {pil:6.2f} / {tv:6.2f}")
+        print(f"| {fmt} {size} | " + " | ".join(row + ratios) + f" | {pil:.2f} | {tv:.2f} |")
 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:

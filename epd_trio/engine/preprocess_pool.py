@@ -194,6 +194,7 @@ class PreprocessPool:
         self._limiter = trio.CapacityLimiter(workers)
         self._executor = self._new_executor()
         self._done = self._failed = self._restarts = 0
+        self._retired: list[ProcessPoolExecutor] = []
 
     def _new_executor(self) -> ProcessPoolExecutor:
         return ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
@@ -211,17 +212,17 @@ class PreprocessPool:
     async def preprocess(self, items: Sequence[Any], modality: str,
                          indices: Sequence[int] | None = None) -> PreprocessResult:
         async with self._limiter:
-            executor = self._executor
-            future = executor.submit(_child_preprocess, list(items), modality,
-                                     None if indices is None else list(indices))
+            executor, future = self._executor, None
             try:
+                future = executor.submit(_child_preprocess, list(items), modality,
+                                         None if indices is None else list(indices))
                 answer = await trio.to_thread.run_sync(future.result, abandon_on_cancel=True)
             except BrokenProcessPool:
                 self._failed += 1
                 self._restart(executor)
                 raise EncodeError("a preprocessing process died (the pool was restarted)") from None
             except BaseException:
-                if not future.cancel():
+                if future is not None and not future.cancel():
                     future.add_done_callback(_discard)  # at once if already done
                 raise
         if "error" in answer:
@@ -234,12 +235,13 @@ class PreprocessPool:
         if self._executor is broken:  # the first request to see it restarts it
             self._restarts += 1
             self._executor = self._new_executor()
-            broken.shutdown(wait=False, cancel_futures=True)
+            self._retired.append(broken)  # its manager ends the other children; aclose joins it
 
     async def aclose(self) -> None:
         """Cancel queued work, wait for running items (their segments are unlinked), end the children."""
-        await trio.to_thread.run_sync(functools.partial(
-            self._executor.shutdown, wait=True, cancel_futures=True))
+        for executor in (*self._retired, self._executor):
+            await trio.to_thread.run_sync(functools.partial(
+                executor.shutdown, wait=True, cancel_futures=True))
 
     def statistics(self) -> PoolStatistics:
         return PoolStatistics(self.workers, self._limiter.borrowed_tokens, self._done,
