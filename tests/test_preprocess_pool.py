@@ -19,6 +19,7 @@ from epd_trio.errors import EncodeError, PayloadTooLargeError, RequestError
 from epd_trio.model.loader import load_encoder
 from epd_trio.model.media import MediaLimits
 from epd_trio.model.preprocess import EncoderPreprocessor
+from epd_trio.model.samples import generated_frames, sample_tone, sample_video
 
 SHM = Path("/dev/shm")
 
@@ -132,3 +133,22 @@ def test_config_refuses_unknown_modes_and_device_processes() -> None:
     with pytest.raises(ValueError, match="cannot take preprocess_device"):
         EngineConfig(preprocess_mode="process", preprocess_device="cuda")
     assert EngineConfig(preprocess_mode="process", preprocess_device="cpu").preprocess_device == "cpu"
+
+
+@pytest.mark.parametrize(("arch", "modality"), [("qwen3_vl", "video"), ("qwen2_audio", "audio")])
+async def test_video_and_audio_through_processes_equal_threads(
+        checkpoints: dict[str, str], arch: str, modality: str) -> None:
+    """Other tensors and per-item extras (Qwen3-VL's timestamps) cross the boundary intact."""
+    path = checkpoints[arch]
+    if modality == "video":
+        items = [sample_video(frames=6, fps=4.0, width=56, height=42), generated_frames(4, 40, 60, seed=4)]
+    else:
+        items = [sample_tone(0.5), sample_tone(1.2, hz=220.0)]
+    encoder = await trio.to_thread.run_sync(lambda: load_encoder(path, dtype="float32"))
+    want = EncoderPreprocessor(encoder.adapter, encoder.processors, MediaLimits()).preprocess(items, modality)
+    async with open_preprocess_pool(PoolSpec(path, MediaLimits()), workers=1) as pool:
+        got = await pool.preprocess(items, modality)
+    assert (got.grid_thw, got.token_counts, got.extras) == (want.grid_thw, want.token_counts, want.extras)
+    assert got.inputs.keys() == want.inputs.keys()
+    for key, value in want.inputs.items():
+        assert got.inputs[key].dtype == value.dtype and torch.equal(got.inputs[key], value), key
