@@ -15,7 +15,7 @@ import trio.testing
 from conftest import png_bytes, random_image
 from epd_trio import EngineConfig, open_engine
 from epd_trio.engine.preprocess_pool import PoolSpec, open_preprocess_pool
-from epd_trio.errors import EncodeError, PayloadTooLargeError, RequestError
+from epd_trio.errors import EncodeError, ModelLoadError, PayloadTooLargeError, RequestError
 from epd_trio.model.loader import load_encoder
 from epd_trio.model.media import MediaLimits
 from epd_trio.model.preprocess import EncoderPreprocessor
@@ -152,3 +152,10 @@ async def test_video_and_audio_through_processes_equal_threads(
     assert got.inputs.keys() == want.inputs.keys()
     for key, value in want.inputs.items():
         assert got.inputs[key].dtype == value.dtype and torch.equal(got.inputs[key], value), key
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where CUDA is absent")
+async def test_a_cuda_preprocess_device_without_cuda_is_refused_at_start(qwen25_path: str) -> None:
+    with pytest.raises(ModelLoadError, match="no CUDA device"):
+        async with open_engine(model_path=qwen25_path, preprocess_device="cuda"):
+            pass  # pragma: no cover

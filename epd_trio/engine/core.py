@@ -40,7 +40,7 @@ from epd_trio.errors import RequestError
 from epd_trio.model.adapters import PreprocessResult
 from epd_trio.model.loader import LoadedEncoder, load_encoders
 from epd_trio.model.media import MediaLimits, MediaLoader, media_http_client
-from epd_trio.model.preprocess import EncoderPreprocessor
+from epd_trio.model.preprocess import EncoderPreprocessor, preprocess_device
 from epd_trio.model.tiny import ensure_default_model
 from epd_trio.scheduling.dispatch import Admission, Dispatcher, WorkerState
 from epd_trio.scheduling.policy import BatchPolicy
@@ -313,6 +313,7 @@ async def open_engine(config: EngineConfig | None = None, **overrides: Any) -> A
     as passing ``EngineConfig(...)``; keyword overrides win over ``config``.
     """
     config = dataclasses.replace(config or EngineConfig(), **overrides)
+    preprocess_device(config.preprocess_device)  # refused before minutes of loading
     model_dir = await resolve_model_path(config)
     # Each further device gets its own copy of the module (and so its own compile cache).
     encoder, *replicas = await load_encoders(model_dir, config.devices, config.dtype)

@@ -26,14 +26,14 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from epd_trio.errors import EPDError, PayloadTooLargeError, RequestError
+from epd_trio.errors import EPDError, ModelLoadError, PayloadTooLargeError, RequestError
 from epd_trio.model.adapters import ModelAdapter, PreprocessResult
 from epd_trio.model.audio import decode_audio
 from epd_trio.model.image_decode import decode_image_tensor
 from epd_trio.model.media import MediaLimits, decode_image, image_pixels, is_frame_list, item_error
 from epd_trio.model.video import FrameSampling, decode_video, frames_clip, model_sampler
 
-__all__ = ["DECODERS", "EncoderPreprocessor"]
+__all__ = ["DECODERS", "EncoderPreprocessor", "preprocess_device"]
 
 DECODERS = ("tensor", "pil")
 
@@ -153,6 +153,21 @@ def _call(index: int, what: str, processor: Any, *args: Any, **kwargs: Any) -> d
         raise RequestError(f"item {index}: the {what} refused it ({exc})") from None
 
 
+def preprocess_device(device: str | None) -> Any:
+    """``device`` as a ``torch.device`` (None stays None); refused when torch cannot use it."""
+    if device is None:
+        return None
+    import torch
+
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise ModelLoadError(f"preprocess device {device!r} is not a torch device ({exc})") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"preprocess device {device!r}: torch sees no CUDA device here")
+    return resolved
+
+
 class _ThreadStreams:
     """One CUDA stream per preprocessing thread, so device preprocessing overlaps the forward.
 
@@ -164,7 +179,7 @@ class _ThreadStreams:
     def __init__(self, device: str | None) -> None:
         import torch
 
-        self._device = torch.device(device) if device is not None else None
+        self._device = preprocess_device(device)
         self._cuda = self._device is not None and self._device.type == "cuda"
         self._local = threading.local()
 
