@@ -64,20 +64,35 @@ def make_images(fmt: str, size: int, count: int) -> list[bytes]:
     return out
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process and its live children (the pool's), from /proc: load-independent."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, me = 0.0, str(os.getpid())
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if stat.parent.name == me or fields[1] == me:
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
 async def rate(step: Callable[[list[Any]], Awaitable[Any]], images: Sequence[bytes],
-               concurrency: int) -> float:
-    """Images per second: ``concurrency`` callers take the images one by one."""
+               concurrency: int) -> tuple[float, float]:
+    """(images per second, CPU ms per image): ``concurrency`` callers take the images one by one."""
     queue = iter(images)
 
     async def caller() -> None:
         for image in queue:
             await step([image])
 
-    started = time.perf_counter()
+    cpu, started = cpu_seconds(), time.perf_counter()
     async with trio.open_nursery() as nursery:
         for _ in range(concurrency):
             nursery.start_soon(caller)
-    return len(images) / (time.perf_counter() - started)
+    wall, cpu = time.perf_counter() - started, cpu_seconds() - cpu
+    return len(images) / wall, cpu / len(images) * 1e3
 
 
 def decode_ms(images: Sequence[bytes]) -> tuple[float, float]:
@@ -128,7 +143,7 @@ async def main(args: argparse.Namespace) -> None:
             for workers in args.workers:
                 steps[(mode, workers)] = await make_step(stack, mode, workers, model, encoder, limits)
         print(f"  pools started; load average {os.getloadavg()[0]:.2f}", flush=True)
-        runs: dict[tuple[str, str, int, int], list[float]] = {}
+        runs: dict[tuple[str, str, int, int], list[tuple[float, float]]] = {}
         for rep in range(args.repeat):  # configurations take turns, so drifting load hits all alike
             for (fmt, size), batch in images.items():
                 for (mode, workers), step in steps.items():
@@ -137,8 +152,10 @@ async def main(args: argparse.Namespace) -> None:
                     runs.setdefault((mode, fmt, size, workers), []).append(
                         await rate(step, batch, 2 * workers))
             print(f"  round {rep + 1}/{args.repeat} done", flush=True)
-    results = {key: statistics.median(values) for key, values in runs.items()}
+    results = {key: statistics.median(r for r, _ in values) for key, values in runs.items()}
+    cpu = {key: statistics.median(c for _, c in values) for key, values in runs.items()}
     report(results, modes, args.workers, cases, images)
+    report_cpu(cpu, modes, args.workers, cases)
 
 
 async def make_step(stack: contextlib.AsyncExitStack, mode: str, workers: int, model: str,
@@ -167,6 +184,16 @@ def report(results: dict, modes: list[str], workers: list[int], cases: list, ima
         ratios = [f"{results[(m, fmt, size, last)] / results[(m, fmt, size, first)]:.2f}" for m in modes]
         pil, tv = decode_ms(images[(fmt, size)][:8])
         print(f"| {fmt} {size} | " + " | ".join(row + ratios) + f" | {pil:.2f} | {tv:.2f} |")
+
+
+def report_cpu(cpu: dict, modes: list[str], workers: list[int], cases: list) -> None:
+    """CPU ms per image (this process + the pool's children): what the cores pay, whatever the load."""
+    cols = [f"{m.split(':')[0]} x{w}" for m in modes for w in workers]
+    print("\nCPU ms per image, median (encoder process + pool children; the trio caller included)")
+    print("| case | " + " | ".join(cols) + " |")
+    print("|---" * (len(cols) + 1) + "|")
+    for fmt, size in cases:
+        print(f"| {fmt} {size} | " + " | ".join(f"{cpu[(m, fmt, size, w)]:.2f}" for m in modes for w in workers) + " |")
 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
