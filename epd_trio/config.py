@@ -87,8 +87,21 @@ class EngineConfig:
     cache_mb: int = _opt(0, "host memory for the embedding cache in MiB: items seen before (by "
                          "their hashes entry, else their content) skip preprocessing and the "
                          "forward; LRU by bytes; 0 = off")
+    # ---- where preprocessing runs (issue 17, items 2 and 3) ----
+    preprocess_mode: str = _opt("thread", "thread (preprocess in --preprocess-workers threads of the "
+                                "encoder process) or process (in a pool of --preprocess-workers "
+                                "spawned processes; tensors come back through shared memory)")
+    preprocess_device: str | None = _opt(None, "torch device the image processor runs on (cpu, cuda, "
+                                         "cuda:1; on CUDA a JPEG is decoded there too, on the "
+                                         "preprocessing thread's own stream); default: the "
+                                         "processor's own CPU path")
 
     def __post_init__(self) -> None:
+        if self.preprocess_mode not in ("thread", "process"):
+            raise ValueError(f"preprocess_mode must be thread or process, got {self.preprocess_mode!r}")
+        if self.preprocess_mode == "process" and self.preprocess_device not in (None, "cpu"):
+            raise ValueError("preprocess_mode process runs on the CPU: it cannot take "
+                             f"preprocess_device {self.preprocess_device!r}")
         for name in ("max_batch_size", "max_batch_tokens", "max_pending", "preprocess_workers",
                      "max_image_pixels", "max_item_bytes", "video_min_frames", "max_video_frames",
                      "max_video_pixels"):

@@ -144,3 +144,30 @@ async def test_bfloat16_and_compile_match_eager(qwen25_path: str) -> None:
     assert counters["stats"]["unique_graphs"] > graphs  # the forwards did go through torch.compile
     for g, e in zip(got, expected):
         assert g.dtype == torch.bfloat16 and rel(g, e) < 2e-2
+
+
+async def test_device_preprocessing_on_cuda_equals_the_cpu_path(qwen25_path: str) -> None:
+    """``--preprocess-device cuda``: nvJPEG decode and the processor on the device.
+
+    nvJPEG's IDCT and chroma upsampling are not libjpeg's, so pixels may differ
+    by a few levels; the embeddings must still agree within 1e-4 relative error
+    for PNG (decoded on the CPU, processor on the device) and within the
+    decoder's tolerance for JPEG.
+    """
+    import io
+
+    from conftest import random_image
+
+    def jpeg(seed: int) -> bytes:
+        buf = io.BytesIO()
+        random_image(224, 168, seed=seed).save(buf, format="JPEG", quality=95)
+        return buf.getvalue()
+
+    pngs, jpegs = IMAGES[:4], [jpeg(s) for s in range(4)]
+    async with open_engine(model_path=qwen25_path, device="cuda", dtype="float32") as engine:
+        want_png, want_jpeg = await encode_all(engine, pngs), await encode_all(engine, jpegs)
+    async with open_engine(model_path=qwen25_path, device="cuda", dtype="float32",
+                           preprocess_device="cuda") as engine:
+        got_png, got_jpeg = await encode_all(engine, pngs), await encode_all(engine, jpegs)
+    assert max(rel(g, w) for g, w in zip(got_png, want_png)) < 1e-4
+    assert max(rel(g, w) for g, w in zip(got_jpeg, want_jpeg)) < 5e-2

@@ -88,6 +88,10 @@ else  # its throughput part would run the 7B tower on the CPU: only the added-la
 fi
 step bench_production 80 "$PY" tools/bench_production.py --quick --full-size --device cuda \
     --checkpoint-dir "$CKPT"
+# Preprocessing: threads against processes up to 16 workers, and the device path (nvJPEG +
+# the processor on CUDA), images/s per format and size.
+step bench_preprocess 100 "$PY" tools/bench_preprocess.py --quick --workers 1 4 16 \
+    --sizes 448 1024 --repeat 2 --device cuda
 
 # ---- the compact table -----------------------------------------------------------
 {
@@ -98,6 +102,8 @@ step bench_production 80 "$PY" tools/bench_production.py --quick --full-size --d
     echo; echo "-- engine vs bare transformers (img/s):"
     grep -E '^(config|qwen2\.5-vl-7b-vision) ' "$LOGS/bench_engine.log" || echo "(no table)"
     echo; echo "-- service:"; grep -E '^summary' "$LOGS/bench_service.log" || echo "(no summary)"
+    echo; echo "-- preprocessing (images/s):"
+    sed -n '/^images\/s/,$p' "$LOGS/bench_preprocess.log" || echo "(no table)"
     echo; echo "-- cache and workers:"
     sed -n '/^path /,/^$/p;/^configuration /,/^$/p' "$LOGS/bench_production.log" || true
 } | tee "$LOGS/summary.txt"

@@ -35,11 +35,12 @@ import trio
 from epd_trio.config import EngineConfig
 from epd_trio.engine.cache import CacheStatistics, EmbeddingCache, content_digest
 from epd_trio.engine.plan import CachePlan, EncodeAll, EncodeOutput, EncodePlan, given_names
+from epd_trio.engine.preprocess_pool import PoolSpec, PreprocessPool, open_preprocess_pool
 from epd_trio.errors import RequestError
 from epd_trio.model.adapters import PreprocessResult
 from epd_trio.model.loader import LoadedEncoder, load_encoders
 from epd_trio.model.media import MediaLimits, MediaLoader, media_http_client
-from epd_trio.model.preprocess import EncoderPreprocessor
+from epd_trio.model.preprocess import EncoderPreprocessor, preprocess_device
 from epd_trio.model.tiny import ensure_default_model
 from epd_trio.scheduling.dispatch import Admission, Dispatcher, WorkerState
 from epd_trio.scheduling.policy import BatchPolicy
@@ -133,7 +134,8 @@ class Engine:
         self.media: MediaSource = media
         self.preprocessor = EncoderPreprocessor(
             encoder.adapter, encoder.processors, media.limits, video_fps=config.video_fps,
-            video_min_frames=config.video_min_frames, video_max_frames=config.video_max_frames)
+            video_min_frames=config.video_min_frames, video_max_frames=config.video_max_frames,
+            device=config.preprocess_device)
         policy = BatchPolicy(config.max_batch_size, config.max_batch_tokens, config.coalesce_delay)
         admission = Admission(config.max_pending)
         self.admission: AdmissionGate = admission
@@ -155,6 +157,8 @@ class Engine:
         # that MockClock tests stay deterministic.
         self.run_sync: RunSync = trio.to_thread.run_sync
         self.preprocess_step: PreprocessStep = self._preprocess_in_thread
+        # --preprocess-mode process: open_engine sets the pool and routes preprocess_step to it.
+        self.preprocess_pool: PreprocessPool | None = None
 
     @property
     def worker(self) -> EncoderWorker:
@@ -309,6 +313,7 @@ async def open_engine(config: EngineConfig | None = None, **overrides: Any) -> A
     as passing ``EngineConfig(...)``; keyword overrides win over ``config``.
     """
     config = dataclasses.replace(config or EngineConfig(), **overrides)
+    preprocess_device(config.preprocess_device)  # refused before minutes of loading
     model_dir = await resolve_model_path(config)
     # Each further device gets its own copy of the module (and so its own compile cache).
     encoder, *replicas = await load_encoders(model_dir, config.devices, config.dtype)
@@ -321,11 +326,28 @@ async def open_engine(config: EngineConfig | None = None, **overrides: Any) -> A
         max_video_seconds=config.max_video_seconds, max_video_frames=config.max_video_frames,
         max_video_pixels=config.max_video_pixels, max_audio_seconds=config.max_audio_seconds,
     )
-    async with media_http_client() as http, trio.open_nursery() as nursery:
+    async with (media_http_client() as http, _preprocess_pool(config, encoder, limits) as pool,
+                trio.open_nursery() as nursery):
         engine = Engine(config, encoder, MediaLoader(limits, http), replicas)
+        if pool is not None:
+            engine.preprocess_pool = pool
+            engine.preprocess_step = pool.preprocess
         for scheduler in engine.schedulers:
             await nursery.start(scheduler.run)
         try:
             yield engine
         finally:
             nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def _preprocess_pool(config: EngineConfig, encoder: LoadedEncoder,
+                           limits: MediaLimits) -> AsyncIterator[PreprocessPool | None]:
+    """``--preprocess-mode process``: the pool of preprocessing processes; else None (threads)."""
+    if config.preprocess_mode != "process":
+        yield None
+        return
+    spec = PoolSpec(str(encoder.model_dir), limits, video_fps=config.video_fps,
+                    video_min_frames=config.video_min_frames, video_max_frames=config.video_max_frames)
+    async with open_preprocess_pool(spec, config.preprocess_workers) as pool:
+        yield pool

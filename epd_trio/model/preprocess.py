@@ -6,7 +6,10 @@ checkpoint's own (``AutoImageProcessor``, ``AutoVideoProcessor``,
 ``AutoFeatureExtractor``), so inputs equal what transformers' own pipeline
 produces. One code path per modality:
 
-- image: decode (PIL) → image processor;
+- image: decode (torchvision for 8-bit JPEG/PNG, same pixels as PIL; PIL for
+  the rest: ``image_decode.py``) → image processor, run on ``device`` when
+  one is given (the fast processor's ``device=``; on CUDA the JPEG is decoded
+  there too, on this thread's own stream, so it overlaps the forward);
 - video: decode + sample (PyAV, the processor's ``sample_frames``) or frames as
   given → video processor (no second sampling) → per-item extras from the adapter;
 - audio: decode, mono, resample → feature extractor (padded to the model's
@@ -18,16 +21,21 @@ so the output equals a batched call) and an error names the item that caused it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from epd_trio.errors import EPDError, PayloadTooLargeError, RequestError
+from epd_trio.errors import EPDError, ModelLoadError, PayloadTooLargeError, RequestError
 from epd_trio.model.adapters import ModelAdapter, PreprocessResult
 from epd_trio.model.audio import decode_audio
+from epd_trio.model.image_decode import decode_image_tensor
 from epd_trio.model.media import MediaLimits, decode_image, image_pixels, is_frame_list, item_error
 from epd_trio.model.video import FrameSampling, decode_video, frames_clip, model_sampler
 
-__all__ = ["EncoderPreprocessor"]
+__all__ = ["DECODERS", "EncoderPreprocessor", "preprocess_device"]
+
+DECODERS = ("tensor", "pil")
 
 
 class EncoderPreprocessor:
@@ -37,12 +45,23 @@ class EncoderPreprocessor:
     (``LoadedEncoder.processors``). ``video_fps``, ``video_min_frames`` and
     ``video_max_frames`` choose the frames taken from a video file (and cap a
     list of frames); the other limits are in ``limits``.
+
+    ``decoder``: ``"tensor"`` (torchvision where it equals PIL, the default) or
+    ``"pil"`` (PIL always; the reference the tests compare with). ``device``:
+    where the image processor runs (``None``: the processor's own default, the
+    CPU; ``"cpu"`` or ``"cuda:0"``: passed as its ``device=``).
     """
 
     def __init__(self, adapter: ModelAdapter, processors: Mapping[str, Any], limits: MediaLimits,
                  *, video_fps: float = 2.0, video_min_frames: int = 4,
-                 video_max_frames: int = 768) -> None:
+                 video_max_frames: int = 768, decoder: str = "tensor",
+                 device: str | None = None) -> None:
+        if decoder not in DECODERS:
+            raise ValueError(f"decoder must be one of {DECODERS}, got {decoder!r}")
         self.adapter = adapter
+        self.decoder = decoder
+        self.device = device
+        self._streams = _ThreadStreams(device)
         self.processors = dict(processors)
         self.limits = limits
         self.sampling = FrameSampling(video_fps, video_min_frames, video_max_frames)
@@ -74,10 +93,15 @@ class EncoderPreprocessor:
                                        f"cap of {self.limits.max_request_pixels}")
 
     def _image(self, index: int, item: Any) -> PreprocessResult:
-        image = decode_image(item, index, self.limits)
-        processed = _call(index, "image processor", self.processors["image"],
-                          images=[image], return_tensors="pt")
-        return self.adapter.item_result(processed, "image")
+        on_device = {} if self.device is None else {"device": self.device}
+        with self._streams.scope():
+            if self.decoder == "pil":
+                image = decode_image(item, index, self.limits)
+            else:
+                image = decode_image_tensor(item, index, self.limits, self._streams.decode_device)
+            processed = _call(index, "image processor", self.processors["image"],
+                              images=[image], return_tensors="pt", **on_device)
+            return self.adapter.item_result(processed, "image")
 
     def _video(self, index: int, item: Any) -> PreprocessResult:
         processor = self.processors["video"]
@@ -127,3 +151,53 @@ def _call(index: int, what: str, processor: Any, *args: Any, **kwargs: Any) -> d
         raise
     except (ValueError, RuntimeError, TypeError, OSError, IndexError) as exc:
         raise RequestError(f"item {index}: the {what} refused it ({exc})") from None
+
+
+def preprocess_device(device: str | None) -> Any:
+    """``device`` as a ``torch.device`` (None stays None); refused when torch cannot use it."""
+    if device is None:
+        return None
+    import torch
+
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise ModelLoadError(f"preprocess device {device!r} is not a torch device ({exc})") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"preprocess device {device!r}: torch sees no CUDA device here")
+    return resolved
+
+
+class _ThreadStreams:
+    """One CUDA stream per preprocessing thread, so device preprocessing overlaps the forward.
+
+    The work is synchronized on its stream before the result is handed on: the
+    forward (on the worker's own stream) never reads a tensor still being
+    written, and only this thread waits. Off CUDA it does nothing.
+    """
+
+    def __init__(self, device: str | None) -> None:
+        import torch
+
+        self._device = preprocess_device(device)
+        self._cuda = self._device is not None and self._device.type == "cuda"
+        self._local = threading.local()
+
+    @property
+    def decode_device(self) -> str:
+        """Where a JPEG is decoded: the device for CUDA (nvJPEG), else the CPU."""
+        return str(self._device) if self._cuda else "cpu"
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        if not self._cuda:
+            yield
+            return
+        import torch
+
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = torch.cuda.Stream(self._device)
+        with torch.cuda.device(self._device), torch.cuda.stream(stream):
+            yield
+        stream.synchronize()

@@ -102,8 +102,10 @@ class EncoderWorker:
         return list(torch.split(host, sizes))
 
     def _to_device(self, tensor: Any) -> Any:
-        if not self._cuda:
-            return tensor
+        if tensor.device == self.device:
+            return tensor  # --preprocess-device put it here already (its stream synchronized)
+        if tensor.is_cuda or not self._cuda:  # another device's preprocessing
+            return tensor.to(self.device)
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def _to_host(self, output: Any) -> Any:

@@ -1,0 +1,109 @@
+"""torchvision decoding equals PIL's, and the device path equals the CPU path."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import random_image
+from epd_trio.errors import PayloadTooLargeError, RequestError
+from epd_trio.model.image_decode import decode_image_tensor, fast_format
+from epd_trio.model.loader import load_encoder
+from epd_trio.model.media import MediaLimits, decode_image
+from epd_trio.model.preprocess import EncoderPreprocessor
+
+LIMITS = MediaLimits()
+
+
+def encoded(image: Image.Image, fmt: str, **save: object) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt, **save)
+    return buf.getvalue()
+
+
+def as_array(decoded: object) -> np.ndarray:
+    if isinstance(decoded, torch.Tensor):
+        return decoded.permute(1, 2, 0).numpy()
+    return np.asarray(decoded)
+
+
+def gradient(width: int, height: int, mode: str) -> Image.Image:
+    """Smooth content: JPEG's chroma upsampling matters there, unlike on noise."""
+    x = np.linspace(0, 255, width)[None, :, None]
+    y = np.linspace(0, 255, height)[:, None, None]
+    rgb = np.concatenate([x + 0 * y, y + 0 * x, (x + y) / 2], axis=2).astype(np.uint8)
+    return Image.fromarray(rgb).convert(mode)
+
+
+FAST_CASES = [
+    ("JPEG", "RGB", {"quality": 90}),
+    ("JPEG", "RGB", {"quality": 75, "subsampling": 0}),
+    ("JPEG", "RGB", {"quality": 95, "progressive": True}),
+    ("JPEG", "L", {}),
+    ("PNG", "RGB", {}),
+    ("PNG", "L", {}),
+]
+
+
+@pytest.mark.parametrize(("fmt", "mode", "save"), FAST_CASES)
+@pytest.mark.parametrize("size", [(224, 224), (333, 101), (17, 9)])
+def test_torchvision_decode_equals_pil(fmt: str, mode: str, save: dict, size: tuple[int, int]) -> None:
+    for image in (random_image(*size, seed=3, mode=mode), gradient(*size, mode)):
+        data = encoded(image, fmt, **save)
+        assert fast_format(data, 0, LIMITS) == fmt
+        fast = decode_image_tensor(data, 0, LIMITS)
+        assert isinstance(fast, torch.Tensor) and fast.dtype == torch.uint8
+        assert np.array_equal(as_array(fast), np.asarray(decode_image(data, 0, LIMITS)))
+
+
+@pytest.mark.parametrize(("fmt", "mode"), [("JPEG", "CMYK"), ("PNG", "RGBA"), ("PNG", "P"),
+                                            ("PNG", "I;16"), ("GIF", "P"), ("WEBP", "RGB")])
+def test_other_formats_go_through_pil(fmt: str, mode: str) -> None:
+    image = random_image(40, 30, seed=1).convert("RGB" if mode == "I;16" else mode)
+    if mode == "I;16":
+        image = Image.fromarray((np.asarray(image.convert("L"), dtype=np.uint16) * 257))
+    data = encoded(image, fmt)
+    assert fast_format(data, 0, LIMITS) is None
+    out = decode_image_tensor(data, 0, LIMITS)
+    assert isinstance(out, Image.Image) and out.mode == "RGB"
+    assert np.array_equal(np.asarray(out), np.asarray(decode_image(data, 0, LIMITS)))
+
+
+def test_caps_and_bad_bytes_are_refused_as_before() -> None:
+    data = encoded(random_image(100, 100), "JPEG")
+    with pytest.raises(PayloadTooLargeError, match="over the cap"):
+        decode_image_tensor(data, 2, MediaLimits(max_image_pixels=99 * 100))
+    with pytest.raises(RequestError, match="item 1"):
+        decode_image_tensor(data[: len(data) // 2], 1, LIMITS)
+    with pytest.raises(RequestError, match="item 0: bytes are not an image"):
+        decode_image_tensor(b"not an image", 0, LIMITS)
+
+
+@pytest.fixture(scope="module")
+def loaded(qwen25_path: str):  # type: ignore[no-untyped-def]
+    return load_encoder(qwen25_path, dtype="float32")
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+def test_tensor_and_device_paths_equal_the_pil_path(loaded, fmt: str) -> None:  # type: ignore[no-untyped-def]
+    """The default (torchvision) and ``device="cpu"`` paths give PIL's pixel_values, bit for bit."""
+    items = [encoded(random_image(w, h, seed=i), fmt) for i, (w, h) in enumerate([(224, 224), (120, 360)])]
+    items.append(random_image(56, 84, seed=9))  # an in-process PIL image takes the PIL path
+    made = {
+        name: EncoderPreprocessor(loaded.adapter, loaded.processors, LIMITS, **kw).preprocess(items, "image")
+        for name, kw in {"pil": {"decoder": "pil"}, "tensor": {}, "device": {"device": "cpu"}}.items()
+    }
+    for name in ("tensor", "device"):
+        assert made[name].grid_thw == made["pil"].grid_thw
+        assert made[name].token_counts == made["pil"].token_counts
+        for key, value in made["pil"].inputs.items():
+            assert torch.equal(made[name].inputs[key].cpu(), value), (name, key)
+
+
+def test_unknown_decoder_is_refused(loaded) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match="decoder"):
+        EncoderPreprocessor(loaded.adapter, loaded.processors, LIMITS, decoder="simd")
