@@ -87,6 +87,10 @@ class EngineConfig:
     cache_mb: int = _opt(0, "host memory for the embedding cache in MiB: items seen before (by "
                          "their hashes entry, else their content) skip preprocessing and the "
                          "forward; LRU by bytes; 0 = off")
+    null_forward: bool = _opt(False, "BENCHMARKING ONLY: skip the model's forward and answer zeros "
+                              "of the right shape and dtype (token counts from the model's own "
+                              "processor), so a benchmark measures everything but the model; the "
+                              "weights are still loaded")
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_batch_tokens", "max_pending", "preprocess_workers",

@@ -242,6 +242,7 @@ class EncoderService:
             "workers": [dataclasses.asdict(w) for w in self.engine.worker_states()],
             "cache": dataclasses.asdict(engine.cache) if engine.cache is not None else None,
             "profiler": dataclasses.asdict(self.profiler.statistics()),
+            "cpu_seconds": self.engine.cpu.statistics(),  # per thread-run stage, its own thread's
             **self.deliveries.statistics(),  # each transport's
             "health": dataclasses.asdict(self.health.statistics()),
         }
