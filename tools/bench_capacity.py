@@ -348,30 +348,40 @@ def bodies(formats: Sequence[str], sizes: Sequence[int]) -> dict[tuple[str, int]
     return {(f, s): encode_body(make_image(s, f), f, f"cap-{f}-{s}-") for f in formats for s in sizes}
 
 
-def run_tree(tree: Path, args: argparse.Namespace, pool: concurrent.futures.Executor,
-             cases: dict[tuple[str, int], tuple[bytes, bytes]], env: dict[str, str]) -> Iterator[Row]:
+def encoder_args(tree: Path, args: argparse.Namespace, env: dict[str, str]) -> list[str]:
     extra = ["--model-path", str(args.checkpoint)] if args.checkpoint else []
     if args.null_forward:
         if supports(tree, "--null-forward", env):
             extra.append("--null-forward")
         else:
             print(f"# {tree}: its encoder has no --null-forward: the model's forward runs")
-    for workers in args.workers:
-        encoder = Encoder(tree, [*extra, "--preprocess-workers", str(workers),
-                                 "--max-pending", str(max(256, 4 * args.concurrency))], env)
-        try:
+    return [*extra, "--max-pending", str(max(256, 4 * args.concurrency))]
+
+
+def run_workers(workers: int, args: argparse.Namespace, pool: concurrent.futures.Executor,
+                cases: dict[tuple[str, int], tuple[bytes, bytes]], env: dict[str, str]) -> Iterator[Row]:
+    """Every tree's encoder at once (an idle one costs nothing); windows take turns between them."""
+    encoders: dict[Path, Encoder] = {}
+    try:
+        for tree in args.tree:
+            encoders[tree] = Encoder(tree, [*args.encoder_args[tree], "--preprocess-workers",
+                                            str(workers)], env)
+        for encoder in encoders.values():
             encoder.wait_healthy()
             for body in cases.values():  # warm every shape (processor caches, allocator)
                 pool.submit(run_load, encoder.url, body, 2, args.warmup).result()
-            samples: dict[tuple[str, int], list[tuple[float, dict[str, float], int]]] = {k: [] for k in cases}
-            for _ in range(args.repeats):  # cases take turns, so drift hits them alike
-                for key, body in cases.items():
-                    samples[key].append(measure_case(encoder, pool, body, args.concurrency, args.seconds))
-            for (fmt, size), runs in samples.items():
-                yield Row(tree.name or str(tree), fmt, size, workers,
-                          statistics.median(r[0] for r in runs), medians([r[1] for r in runs]),
-                          sum(r[2] for r in runs))
-        finally:
+        samples: dict[tuple[Path, str, int], list[tuple[float, dict[str, float], int]]] = {}
+        for _ in range(args.repeats):  # cases and trees take turns, so drift hits them alike
+            for key, body in cases.items():
+                for tree, encoder in encoders.items():
+                    samples.setdefault((tree, *key), []).append(
+                        measure_case(encoder, pool, body, args.concurrency, args.seconds))
+        for (tree, fmt, size), runs in samples.items():
+            yield Row(tree.name or str(tree), fmt, size, workers,
+                      statistics.median(r[0] for r in runs), medians([r[1] for r in runs]),
+                      sum(r[2] for r in runs))
+    finally:
+        for encoder in encoders.values():
             encoder.close()
 
 
@@ -480,9 +490,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     alone = {(f, s): standalone_costs(model_dir, make_image(s, f)) for f, s in cases}
     rows: list[Row] = []
     spawn = multiprocessing.get_context("spawn")
+    args.encoder_args = {tree: encoder_args(tree, args, env) for tree in args.tree}
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
-        for tree in args.tree:
-            rows.extend(run_tree(tree, args, pool, cases, env))
+        for workers in args.workers:
+            rows.extend(run_workers(workers, args, pool, cases, env))
     print(f"# done; {load_line()}")
     report(rows, alone)
     if args.plot:
