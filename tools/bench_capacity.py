@@ -34,7 +34,9 @@ also given as a ratio to the same case at 1 worker, side by side. The load
 average is printed before and after: on a shared machine, read the CPU
 columns, not images/s. ``--tree DIR`` (repeatable) runs the same cases
 against the encoder of another source tree (e.g. an older commit's worktree),
-side by side.
+side by side: all trees' encoders are up at once (an idle one costs nothing)
+and their windows take turns. Each window costs the server one ``/stats``
+call (~1 ms of trio-thread CPU), negligible beside a window's requests.
 
 Usage::
 
