@@ -95,6 +95,10 @@ class EngineConfig:
                                          "cuda:1; on CUDA a JPEG is decoded there too, on the "
                                          "preprocessing thread's own stream); default: the "
                                          "processor's own CPU path")
+    null_forward: bool = _opt(False, "BENCHMARKING ONLY: skip the model's forward and answer zeros "
+                              "of the right shape and dtype (token counts from the model's own "
+                              "processor), so a benchmark measures everything but the model; the "
+                              "weights are still loaded")
 
     def __post_init__(self) -> None:
         if self.preprocess_mode not in ("thread", "process"):

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The prepared GPU check: on a machine with a CUDA GPU (no network needed), run the GPU
 # tests and the engine / service / production benchmarks on a real-size Qwen2.5-VL-7B
-# vision tower (random weights, bfloat16), then print a compact table. Under 8 minutes:
-# every step has its own timeout, within one budget for the whole script (EPD_GPU_BUDGET,
-# 450 s). Elsewhere it prints "no CUDA device: skipped", exit 0.
+# vision tower (random weights, bfloat16) and the capacity benchmark (CPU side, null forward),
+# then print a compact table. Under 9 minutes: every step has its own timeout, within one budget
+# for the whole script (EPD_GPU_BUDGET, 520 s). Elsewhere it prints "no CUDA device: skipped", exit 0.
 #
 #   bash tools/gpu_check.sh                       # logs under $OUT (or /tmp/epd-gpu-check)
 #
@@ -11,7 +11,7 @@
 # come from a wheel directory, $EPD_WHEELS (default .whl, made here by tools/gpu_wheels.sh),
 # installed offline into a venv that sees the system's packages (torch, transformers).
 # Through the device tool: first `bash tools/gpu_wheels.sh` here, then run
-#   bash tools/gpu_check.sh        with carry [".whl"] and timeout_s 540.
+#   bash tools/gpu_check.sh        with carry [".whl"] and timeout_s 580.
 # Exit status: 0 when every step passed (or no CUDA), 1 when a step failed or timed out.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -60,7 +60,7 @@ declare -a ROWS
 FAILED=0
 # One budget for the whole script (set-up included), so the table is out in under 8 minutes
 # however the steps fare: a step gets its own limit or what is left, whichever is less.
-BUDGET="${EPD_GPU_BUDGET:-450}"
+BUDGET="${EPD_GPU_BUDGET:-520}"
 step() {  # step NAME TIMEOUT_S COMMAND...
     local name="$1" limit="$2"; shift 2
     local t0=$SECONDS status left=$((BUDGET - SECONDS - 5))
@@ -92,6 +92,9 @@ step bench_production 80 "$PY" tools/bench_production.py --quick --full-size --d
 # the processor on CUDA), images/s per format and size.
 step bench_preprocess 100 "$PY" tools/bench_preprocess.py --quick --workers 1 4 16 \
     --sizes 448 1024 --repeat 2 --device cuda
+# Everything but the model: images/s and server CPU per image against preprocessing workers.
+step bench_capacity 75 "$PY" tools/bench_capacity.py --quick --null-forward --formats jpeg \
+    --sizes 64 448 --workers 1 4 16 --repeats 1 --plot "$LOGS/capacity.png"
 
 # ---- the compact table -----------------------------------------------------------
 {
@@ -106,5 +109,7 @@ step bench_preprocess 100 "$PY" tools/bench_preprocess.py --quick --workers 1 4 
     sed -n '/^images\/s/,$p' "$LOGS/bench_preprocess.log" || echo "(no table)"
     echo; echo "-- cache and workers:"
     sed -n '/^path /,/^$/p;/^configuration /,/^$/p' "$LOGS/bench_production.log" || true
+    echo; echo "-- capacity (null forward; CPU ms per image):"
+    sed -n '/^ *fmt /,/^(CPU/p' "$LOGS/bench_capacity.log" || true
 } | tee "$LOGS/summary.txt"
 exit $FAILED

@@ -72,16 +72,26 @@ class ServiceMetrics:
         self.batch_sizes = Histogram(PREFIX + "batch_size", "Requests per forward", ["worker"],
                                      buckets=BATCH_BUCKETS, registry=self.registry)
         self.registry.register(_LevelCollector(service))
+        # Labelled children, looked up once: ``labels()`` takes a lock and builds a key per call.
+        self._stage_children: dict[str, Any] = {}
+        self._request_children: dict[tuple[str, str], Any] = {}
 
     # ---- observer --------------------------------------------------------------
     def stage(self, name: str, seconds: float) -> None:
-        self.stages.labels(name).observe(max(0.0, seconds))
+        child = self._stage_children.get(name)
+        if child is None:
+            child = self._stage_children[name] = self.stages.labels(name)
+        child.observe(max(0.0, seconds))
 
     def batch(self, worker: int, size: int, tokens: int) -> None:
         self.batch_sizes.labels(str(worker)).observe(size)
 
     def request(self, modality: str, exc: BaseException | None) -> None:
-        self.requests.labels(modality, outcome_of(exc)).inc()
+        key = (modality, outcome_of(exc))
+        child = self._request_children.get(key)
+        if child is None:
+            child = self._request_children[key] = self.requests.labels(*key)
+        child.inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

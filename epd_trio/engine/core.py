@@ -34,6 +34,7 @@ import trio
 
 from epd_trio.config import EngineConfig
 from epd_trio.engine.cache import CacheStatistics, EmbeddingCache, content_digest
+from epd_trio.engine.cpu import StageCpu
 from epd_trio.engine.plan import CachePlan, EncodeAll, EncodeOutput, EncodePlan, given_names
 from epd_trio.engine.preprocess_pool import PoolSpec, PreprocessPool, open_preprocess_pool
 from epd_trio.errors import RequestError
@@ -45,7 +46,7 @@ from epd_trio.model.tiny import ensure_default_model
 from epd_trio.scheduling.dispatch import Admission, Dispatcher, WorkerState
 from epd_trio.scheduling.policy import BatchPolicy
 from epd_trio.scheduling.scheduler import Observer, RunSync, Scheduler
-from epd_trio.scheduling.worker import EncoderWorker
+from epd_trio.scheduling.worker import EncoderWorker, NullForwardWorker
 
 __all__ = [
     "AdmissionGate", "EncodeOutput", "Engine", "EngineStatistics", "MediaSource", "ModelInfo",
@@ -141,9 +142,12 @@ class Engine:
         self.admission: AdmissionGate = admission
         # Told of stages and batches (metrics, profiler); shared with every scheduler.
         self.observers: list[Observer] = []
-        self.workers = tuple(EncoderWorker(e, compile=config.compile) for e in (encoder, *replicas))
+        # CPU seconds of the stages run in threads, each measured in its own thread.
+        self.cpu = StageCpu()
+        worker_class = NullForwardWorker if config.null_forward else EncoderWorker
+        self.workers = tuple(worker_class(e, compile=config.compile) for e in (encoder, *replicas))
         self.schedulers = tuple(
-            Scheduler(w.forward, policy, max_pending=config.max_pending, admission=admission,
+            Scheduler(self.cpu.timed("forward", w.forward), policy, max_pending=config.max_pending, admission=admission,
                       index=i, observers=self.observers)
             for i, w in enumerate(self.workers))
         self.dispatcher = Dispatcher(self.workers, self.schedulers)
@@ -238,8 +242,8 @@ class Engine:
 
     async def _preprocess_in_thread(self, loaded: Sequence[Any], modality: str,
                                     indices: Sequence[int] | None) -> PreprocessResult:
-        return await self.run_sync(self.preprocessor.preprocess, loaded, modality, indices,
-                                   limiter=self._preprocess_limiter)
+        return await self.run_sync(self.cpu.timed("preprocess", self.preprocessor.preprocess),
+                                   loaded, modality, indices, limiter=self._preprocess_limiter)
 
     # ---- the plan: which items need a forward (the embedding cache) -------
     async def _plan(self, items: Sequence[Any], modality: str, hashes: Sequence[str] | None, *,

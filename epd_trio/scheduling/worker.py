@@ -24,7 +24,7 @@ from epd_trio.errors import EncodeError
 from epd_trio.model.adapters import PreprocessResult
 from epd_trio.model.loader import LoadedEncoder
 
-__all__ = ["EncoderWorker", "WorkerStatistics"]
+__all__ = ["EncoderWorker", "NullForwardWorker", "WorkerStatistics"]
 
 # Forwards remembered for ``busy_fraction``: enough for a 10 s window at ~400 forwards/s.
 _BUSY_HISTORY = 4096
@@ -77,16 +77,7 @@ class EncoderWorker:
         started = time.perf_counter()
         self._running_since = started
         try:
-            adapter = self.encoder.adapter
-            inputs = adapter.collate(payloads)
-            with ExitStack() as stack:
-                stack.enter_context(torch.inference_mode())
-                if self._cuda:
-                    stack.enter_context(torch.cuda.device(self.device))
-                    stack.enter_context(torch.cuda.stream(self._stream))
-                inputs = {k: self._to_device(v) for k, v in inputs.items()}
-                output = adapter.forward(self.encoder.module, inputs)
-                host = self._to_host(output)
+            host = self._run(payloads)
             sizes = [p.tokens for p in payloads]
             if host.shape[0] != sum(sizes):
                 raise EncodeError(f"encoder produced {host.shape[0]} tokens, expected {sum(sizes)}")
@@ -100,6 +91,21 @@ class EncoderWorker:
                 self._running_since = None
         # Row slices of a contiguous tensor are contiguous views: no copies.
         return list(torch.split(host, sizes))
+
+    def _run(self, payloads: Sequence[PreprocessResult]) -> Any:
+        """The batch's output rows, on the host and fully written."""
+        import torch
+
+        adapter = self.encoder.adapter
+        inputs = adapter.collate(payloads)
+        with ExitStack() as stack:
+            stack.enter_context(torch.inference_mode())
+            if self._cuda:
+                stack.enter_context(torch.cuda.device(self.device))
+                stack.enter_context(torch.cuda.stream(self._stream))
+            inputs = {k: self._to_device(v) for k, v in inputs.items()}
+            output = adapter.forward(self.encoder.module, inputs)
+            return self._to_host(output)
 
     def _to_device(self, tensor: Any) -> Any:
         if tensor.device == self.device:
@@ -139,3 +145,20 @@ class EncoderWorker:
     def __repr__(self) -> str:
         s = self.statistics()
         return f"<EncoderWorker {s.device}: {s.forwards} forwards, {s.busy_seconds:.3f} s busy>"
+
+
+class NullForwardWorker(EncoderWorker):
+    """A stand-in device for benchmarks (``--null-forward``): zeros at once, never the model.
+
+    The rows are what the model would give in number (the adapter's token
+    counts, computed by preprocessing), width (``embedding_dim``) and dtype,
+    on the host like a real forward's, so everything around the forward —
+    HTTP, preprocessing, scheduling, delivery — runs unchanged and is all
+    that a benchmark then measures. The batch is not even collated.
+    """
+
+    def _run(self, payloads: Sequence[PreprocessResult]) -> Any:
+        import torch
+
+        rows = sum(p.tokens for p in payloads)
+        return torch.zeros(rows, self.encoder.adapter.embedding_dim, dtype=self.encoder.dtype)

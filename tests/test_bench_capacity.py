@@ -1,0 +1,70 @@
+"""``tools/bench_capacity.py``'s bookkeeping: /proc parsing and the CPU split (no timings asserted)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+TOOL = Path(__file__).resolve().parent.parent / "tools" / "bench_capacity.py"
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_capacity", TOOL)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_capacity"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_stat_lines_with_awkward_thread_names(bench: ModuleType) -> None:
+    tck = bench.CLK_TCK
+    # comm may hold spaces and parentheses; fields count from the last ')'.
+    line = (f"4242 (a) b (c)) S 17 4242 4242 0 -1 4194560 100 0 0 0 {3 * tck} {tck} "
+            f"{2 * tck} {tck // 2} 20 0 5 0 100 0 0\n")
+    comm, ppid, own, reaped = bench.parse_stat(line)
+    assert (comm, ppid) == ("a) b (c)", 17)
+    assert own == pytest.approx(4.0) and reaped == pytest.approx(2.5)
+
+
+def test_split_is_per_image_and_other_is_the_rest(bench: ModuleType) -> None:
+    before = bench.CpuSample(total=10.0, main=4.0, zmq=0.5, children=0.0,
+                             ledger={"preprocess": 1.0, "forward": 2.0})
+    after = bench.CpuSample(total=12.0, main=4.5, zmq=0.6, children=0.0,
+                            ledger={"preprocess": 1.8, "forward": 2.4, "other": 9.0})
+    ms = bench.split_cpu(before, after, images=100)
+    assert ms == pytest.approx({"cpu": 20.0, "trio": 5.0, "pre": 8.0, "fwd": 4.0, "zmq": 1.0,
+                                "other": 2.0})
+    # A ledger the server lacks (an older encoder) counts as nothing, never as negative.
+    bare = bench.split_cpu(bench.CpuSample(1.0, 0.5, 0.0, 0.0), bench.CpuSample(2.0, 1.0, 0.0, 0.0), 10)
+    assert bare["pre"] == bare["fwd"] == 0.0 and bare["other"] == pytest.approx(50.0)
+
+
+def test_reading_this_process(bench: ModuleType) -> None:
+    spinning = threading.Event()
+
+    def spin() -> None:
+        while not spinning.is_set():
+            sum(range(1000))
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    try:
+        sample = bench.read_cpu(os.getpid())
+    finally:
+        spinning.set()
+        thread.join()
+    assert sample.total >= sample.main >= 0.0 and sample.zmq >= 0.0 and sample.children >= 0.0
+
+
+def test_scaling_is_against_the_fewest_workers(bench: ModuleType) -> None:
+    rows = [bench.Row("t", "png", 64, w, rate, {}, 0) for w, rate in ((2, 30.0), (1, 20.0), (4, 50.0))]
+    bench.add_scaling(rows)
+    assert [r.scaling for r in rows] == pytest.approx([1.5, 1.0, 2.5])
