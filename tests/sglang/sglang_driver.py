@@ -19,6 +19,11 @@ nothing from epd_trio. Lines meant for the test start with ``EPD-DRIVER``
     (``http_server._register_encoder_url_with_bootstrap``); at a stdin line,
     unregister them the same way. A warning from that code (a non-200 answer)
     ends the process at once with ``FAILED``.
+``serve``
+    Be an SGLang language server's encoder-facing half (``sglang_language_side.py``):
+    print ``READY``, then for each JSON command line on stdin run one request
+    through SGLang's own receiver code against real encoders and print
+    ``RESULT <json>``.
 """
 
 from __future__ import annotations
@@ -165,6 +170,10 @@ def main(argv: list[str]) -> None:
         bootstrap()
     elif mode == "register":
         register(rest[0], [(rest[i], int(rest[i + 1])) for i in range(1, len(rest), 2)])
+    elif mode == "serve":
+        from sglang_language_side import serve
+
+        serve(say, sys.stdin)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 
