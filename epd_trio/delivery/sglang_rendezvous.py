@@ -18,8 +18,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
-
 import trio
 
 from epd_trio.errors import ConflictError, DeadlineExceeded, EPDError, RequestError, UnknownRequestError
@@ -167,7 +165,3 @@ class Rendezvous:
         s = self.statistics()
         return (f"<Rendezvous {s.entries} entries, {s.claimed} claimed, {s.waiters} waiting, "
                 f"{s.destinations} destinations>")
-
-    def get(self, req_id: str) -> Any:
-        """The entry, for tests and /stats; None when there is none."""
-        return self._entries.get(req_id)

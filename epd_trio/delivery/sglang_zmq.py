@@ -52,7 +52,8 @@ class SGLangZmqDelivery:
         self._timeout = send_timeout
         self._rendezvous = rendezvous
         self._entry: Entry | None = None  # claimed on first use, released by aclose
-        self.endpoints: tuple[str, ...] = request.deliver.endpoints  # empty: registered ones
+        # SGLang's "host:port" destinations from the /encode; empty: the registered ones.
+        self.endpoints: tuple[str, ...] = request.deliver.endpoints
 
     @classmethod
     def for_request(cls, request: EncodeRequest, context: DeliveryContext) -> SGLangZmqDelivery:
@@ -85,8 +86,8 @@ class SGLangZmqDelivery:
         try:
             async with trio.open_nursery() as nursery:
                 if self.endpoints:
-                    for endpoint in self.endpoints:
-                        nursery.start_soon(self._send, endpoint, frames)
+                    for destination in self.endpoints:
+                        nursery.start_soon(self._send, tcp_endpoint(destination), frames)
                 else:
                     await self._send_to_registered(nursery, frames)
         except* EPDError as group:
