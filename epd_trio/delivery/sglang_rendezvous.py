@@ -10,11 +10,14 @@ It is a resource like any other: an entry lives while a delivery holds it
 (``claim`` … ``release``) or a caller waits on it, never longer. A
 registration that no ``/encode`` claims within its wait is withdrawn (504), a
 sizes wait that times out leaves nothing behind, and ``statistics()`` shows
-that the table is empty once the traffic has gone.
+that the table is empty once the traffic has gone. How the last ``MAX_ENDED``
+parts ended is remembered (a bounded table), so a caller that comes after its
+part was released is answered at once instead of waiting out its timeout.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,7 +25,9 @@ import trio
 
 from epd_trio.errors import ConflictError, DeadlineExceeded, EPDError, RequestError, UnknownRequestError
 
-__all__ = ["Entry", "Rendezvous", "RendezvousStatistics"]
+__all__ = ["MAX_ENDED", "Entry", "Rendezvous", "RendezvousStatistics"]
+
+MAX_ENDED = 4096  # endings remembered: minutes of traffic, a few hundred KiB at most
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,7 @@ class RendezvousStatistics:
     claimed: int  # held by a live request's delivery
     waiters: int  # handlers waiting for a claim or for sizes
     destinations: int  # registered, over all entries
+    ended: int  # endings remembered (bounded by MAX_ENDED)
 
 
 class Entry:
@@ -71,8 +77,16 @@ class Entry:
 class Rendezvous:
     """The encoder's table of entries, keyed by SGLang's part id."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_ended: int = MAX_ENDED) -> None:
         self._entries: dict[str, Entry] = {}
+        self._ended: OrderedDict[str, EPDError | None] = OrderedDict()  # req_id → its error
+        self._max_ended = max_ended
+
+    def _check_not_ended(self, req_id: str) -> None:
+        if req_id in self._ended:
+            error = self._ended[req_id]
+            raise error if error is not None else UnknownRequestError(
+                f"request {req_id!r} has already been delivered and released", req_id=req_id)
 
     def _entry(self, req_id: str) -> Entry:
         entry = self._entries.get(req_id)
@@ -99,8 +113,10 @@ class Rendezvous:
         """``/scheduler_receive_url``: add ``destination``; return once a delivery holds it.
 
         A different ``receive_count`` for the same part is a 400; no
-        ``/encode`` within ``timeout`` withdraws the destination (504).
+        ``/encode`` within ``timeout`` withdraws the destination (504); a part
+        that has already ended answers how it ended.
         """
+        self._check_not_ended(req_id)
         entry = self._entry(req_id)
         if entry.receive_count is not None and entry.receive_count != receive_count:
             self._drop_if_unused(entry)
@@ -123,6 +139,7 @@ class Rendezvous:
     async def wait_sizes(self, req_id: str, *, timeout: float) -> dict[str, int]:
         """``/scheduler_receive_meta_data``: the part's sizes once known (504 after ``timeout``);
         its error if it failed first."""
+        self._check_not_ended(req_id)
         entry = self._entry(req_id)
         with self._waiting(entry):
             with trio.move_on_after(timeout):
@@ -139,7 +156,11 @@ class Rendezvous:
 
     # ---- the delivery's side --------------------------------------------------
     def claim(self, req_id: str) -> Entry:
-        """The entry for a live request's delivery (a second claim is a 409)."""
+        """The entry for a live request's delivery (a second claim is a 409).
+
+        A new claim of an ended part's id (a request id reused) starts afresh.
+        """
+        self._ended.pop(req_id, None)
         entry = self._entry(req_id)
         if entry.claimed:
             raise ConflictError(f"request {req_id!r} already has a live delivery", req_id=req_id)
@@ -154,12 +175,16 @@ class Rendezvous:
         entry.notify()
         if self._entries.get(entry.req_id) is entry:
             del self._entries[entry.req_id]
+        self._ended[entry.req_id] = entry.error
+        self._ended.move_to_end(entry.req_id)
+        while len(self._ended) > self._max_ended:
+            self._ended.popitem(last=False)
 
     def statistics(self) -> RendezvousStatistics:
         entries = list(self._entries.values())
         return RendezvousStatistics(len(entries), sum(e.claimed for e in entries),
                                     sum(e.waiters for e in entries),
-                                    sum(len(e.destinations) for e in entries))
+                                    sum(len(e.destinations) for e in entries), len(self._ended))
 
     def __repr__(self) -> str:
         s = self.statistics()

@@ -70,6 +70,8 @@ class SGLangZmqDelivery:
 
     async def fail(self, error: EPDError) -> None:
         r = self._request
+        if entry := self._claim():
+            entry.publish_error(error)  # remembered: a late registration hears it at once
         await self._send_all(error_message(r.req_id, r.part_idx, r.num_parts, r.modality, error))
 
     async def aclose(self) -> None:

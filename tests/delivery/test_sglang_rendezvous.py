@@ -9,7 +9,7 @@ import trio.testing
 from epd_trio.delivery.sglang_rendezvous import Rendezvous, RendezvousStatistics
 from epd_trio.errors import ConflictError, DeadlineExceeded, EncodeError, RequestError, UnknownRequestError
 
-EMPTY = RendezvousStatistics(0, 0, 0, 0)
+EMPTY = RendezvousStatistics(0, 0, 0, 0, 0)
 
 
 @pytest.fixture
@@ -28,7 +28,7 @@ async def test_registrations_before_and_after_the_claim(clock: trio.testing.Mock
     async with trio.open_nursery() as nursery:
         nursery.start_soon(register, "h:1")
         await trio.sleep(3)
-        assert table.statistics() == RendezvousStatistics(1, 0, 1, 1)
+        assert table.statistics() == RendezvousStatistics(1, 0, 1, 1, 0)
         entry = table.claim("r_local_part_0")
         await trio.testing.wait_all_tasks_blocked()
         assert returned == [("h:1", 3.0)]
@@ -37,7 +37,7 @@ async def test_registrations_before_and_after_the_claim(clock: trio.testing.Mock
     assert list(entry.destinations) == ["h:1", "h:2"] and entry.receive_count == 2
     assert [t for _, t in returned] == [3.0, 3.0, 3.0]
     table.release(entry)
-    assert table.statistics() == EMPTY
+    assert table.statistics() == RendezvousStatistics(0, 0, 0, 0, 1)
 
 
 async def test_an_unclaimed_registration_is_withdrawn_at_its_deadline(clock: trio.testing.MockClock) -> None:
@@ -63,7 +63,7 @@ async def test_another_receive_count_is_a_400_and_a_second_claim_a_409(clock: tr
     with pytest.raises(ConflictError):
         table.claim("r")
     table.release(entry)
-    assert table.statistics() == EMPTY
+    assert table.statistics() == RendezvousStatistics(0, 0, 0, 0, 1)
 
 
 async def test_sizes_wait_until_published_or_failed_or_timed_out(clock: trio.testing.MockClock) -> None:
@@ -88,4 +88,21 @@ async def test_sizes_wait_until_published_or_failed_or_timed_out(clock: trio.tes
     assert sorted(got, key=str) == sorted([
         ({"embedding_size": 8, "embedding_len": 2, "embedding_dim": 1}, 1.0),
         ("EncodeError", 2.0), ("UnknownRequestError", 3.0), ("DeadlineExceeded", 20.0)], key=str)
-    assert table.statistics() == RendezvousStatistics(2, 2, 0, 0)  # sized and failed: still claimed
+    assert table.statistics() == RendezvousStatistics(2, 2, 0, 0, 1)  # sized and failed: still claimed
+
+
+async def test_late_callers_hear_how_the_part_ended_at_once(clock: trio.testing.MockClock) -> None:
+    table = Rendezvous(max_ended=2)
+    failed = table.claim("failed")
+    failed.publish_error(EncodeError("boom"))
+    table.release(failed)
+    table.release(table.claim("done"))
+    with pytest.raises(EncodeError, match="boom"):
+        await table.register("failed", 1, "h:1", timeout=50)
+    with pytest.raises(UnknownRequestError):
+        await table.wait_sizes("done", timeout=50)
+    assert trio.current_time() == 0 and table.statistics() == RendezvousStatistics(0, 0, 0, 0, 2)
+    table.release(table.claim("third"))  # the oldest ending is forgotten: the memory is bounded
+    assert table.statistics().ended == 2
+    with pytest.raises(DeadlineExceeded):
+        await table.register("failed", 1, "h:1", timeout=5)

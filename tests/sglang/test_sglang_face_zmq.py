@@ -52,7 +52,7 @@ async def test_two_ranks_registering_before_and_after_encode(
     assert answers["a"].status_code == answers["b"].status_code == 200 and answers["a"].json() is None
     assert answers["encode"].status_code == 200 and answers["encode"].json() is None
     assert after["live_requests"] == 0 and after["sglang_rendezvous"] == {
-        "entries": 0, "claimed": 0, "waiters": 0, "destinations": 0}
+        "entries": 0, "claimed": 0, "waiters": 0, "destinations": 0, "ended": 1}
     assert got_a == got_b and len(got_a) == 2
     results, tensors = decode_with_sglang(sglang_env, tmp_path, {
         "a": {"rid": rid, "messages": [got_a]}})
@@ -86,6 +86,8 @@ async def test_errors_are_answered_and_pushed_to_every_rank(
             broken = "data:image/png;base64," + base64.b64encode(b"not a png").decode()
             failed = await http.post("/encode", json=encode_body("bad", 0, 1, [broken]))
             notice = await a.receive()
+        late = await http.post("/scheduler_receive_url", json={  # after the end: answered at once
+            "req_id": "bad_local_part_0", "receive_count": 1, "receive_url": a.url, "modality": "IMAGE"})
         after = await stats(http)
     assert bad_body.status_code == 400 and bad_body.json() == {
         "status": "error", "message": "missing or invalid req_id", "req_id": None}
@@ -94,6 +96,7 @@ async def test_errors_are_answered_and_pushed_to_every_rank(
     assert other_count.status_code == 400 and "receive_count 2" in other_count.json()["message"]
     assert failed.status_code == 400 and failed.json()["status"] == "error"
     assert failed.json()["req_id"] == "bad_local_part_0" and answers["a"].status_code == 200
+    assert late.status_code == 400 and late.json()["message"] == failed.json()["message"]
     assert len(notice) == 1
     assert after["live_requests"] == 0 and after["sglang_rendezvous"]["entries"] == 0
     results, _ = decode_with_sglang(sglang_env, tmp_path, {"bad": {"rid": "bad", "messages": [notice]}})
@@ -114,7 +117,7 @@ async def test_waits_are_bounded_and_leave_nothing(encoder: Any) -> None:
     assert unheard.status_code == 504 and unheard.json()["req_id"] == "unheard_local_part_0"
     assert no_sizes.status_code == 504
     assert after["live_requests"] == 0 and after["sglang_rendezvous"] == {
-        "entries": 0, "claimed": 0, "waiters": 0, "destinations": 0}
+        "entries": 0, "claimed": 0, "waiters": 0, "destinations": 0, "ended": 1}
 
 
 async def test_zmq_to_tokenizer_audio_grid_is_mel_frames_and_content_hash_is_checked(
