@@ -363,8 +363,9 @@ def config_from_env(cls: type[C], environ: Mapping[str, str] | None = None, **ov
             values[f.name] = config_from_env(hints[f.name], environ, **overrides)
             continue
         name = env_name(f.name)
-        if name not in environ and sglang and f.metadata.get("sglang_env") in environ:
-            name = f.metadata["sglang_env"]  # SGLang's own variable, below ours
+        alias = f.metadata.get("sglang_env")
+        if name not in environ and sglang and alias is not None and alias in environ:
+            name = alias  # SGLang's own variable, below ours (os.environ refuses a None key)
         raw = environ.get(name)
         if raw is not None:
             values[f.name] = _parse(raw, _base_type(hints[f.name]), name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -102,3 +103,8 @@ def test_sglang_face_flags_and_sglangs_own_timeout_variables() -> None:
 def test_bad_sglang_settings_say_which(flags: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         encoder_config(flags, {})
+
+
+def test_sglang_api_reads_the_real_process_environment() -> None:
+    # os.environ refuses a None key: a field without an SGLang alias must not be looked up.
+    assert config_from_env(EncoderConfig, environ=os.environ, api="sglang").api == "sglang"
