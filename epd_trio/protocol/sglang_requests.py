@@ -24,6 +24,7 @@ from epd_trio.protocol.messages import MAX_REQ_ID
 from epd_trio.protocol.requests import Delivery, EncodeRequest
 
 __all__ = [
+    "DELIVERIES",
     "MAX_RECEIVE_COUNT",
     "ReceiveUrl",
     "SGLangSend",
@@ -36,6 +37,7 @@ __all__ = [
 ]
 
 MODALITIES: Final = ("IMAGE", "VIDEO", "AUDIO")
+DELIVERIES: Final = ("sglang_zmq", "sglang_mooncake")  # the deliveries this face's requests name
 MAX_RECEIVE_COUNT: Final = 64
 MIN_BASE64: Final = 32  # shorter strings are taken as paths
 _HOST_PORT: Final = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*|[A-Za-z0-9._-]+):(\d{1,5})")
