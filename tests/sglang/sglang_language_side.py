@@ -162,7 +162,10 @@ class LanguageSide:
             made = [self._receiver(backend, scheduler=scheduler_stand_in()) for _ in range(count)]
             for rank in made:
                 rank.tp_size = count  # its receive_count: every rank registers with the encoder
-                if backend == "mooncake" and os.environ.get("EPD_SGLANG_LANDING") != "cuda":
+                if backend != "mooncake":
+                    continue
+                rank.gpu_id = 0  # where its per-request landing buffer goes (device="cpu" says none)
+                if os.environ.get("EPD_SGLANG_LANDING") != "cuda":
                     rank.embedding_pool = cpu_embedding_pool(rank.embeddings_engine, 64 << 20)
             self._ranks[key] = made
         for rank in self._ranks[key]:
