@@ -146,3 +146,26 @@ async def test_zmq_to_tokenizer_audio_grid_is_mel_frames_and_content_hash_is_che
     assert results["aud"]["extra_meta"]["audio_feature_lens"]["tensor"]["values"] == \
         local.extras["mel_frames"] == [80, 150]
     assert torch.equal(tensors["aud/part0"], local.embedding)
+
+
+async def test_operation_routes_answer_as_sglangs_do(encoder: Any, tmp_path: Path) -> None:
+    async with encoder(api="sglang", profile_dir=str(tmp_path)) as (_, http):
+        health = [await http.get(path) for path in ("/health", "/health_generate")]
+        started = await http.get("/start_profile")
+        stopped = await http.post("/stop_profile")
+        again = await http.post("/start_profile", json={"output_dir": "run", "num_steps": 1,
+                                                        "activities": ["CPU"], "with_stack": None})
+        stopped_again = await http.get("/stop_profile")
+        shared = [await http.get(path) for path in ("/model_info", "/stats", "/metrics")]
+        missing = await http.get("/nowhere")
+        native_body = await http.post("/encode", json={"req_id": "n", "modality": "image",
+                                                       "mm_items": ["x"], "deliver": {"backend": "zmq"}})
+    assert [h.status_code for h in health] == [200, 200]
+    assert started.status_code == 200 and started.text.startswith("Start profiling.")
+    assert stopped.status_code == 200 and stopped.text.startswith("Stop profiling.")
+    assert again.status_code == stopped_again.status_code == 200 and str(tmp_path / "run") in again.text
+    assert [s.status_code for s in shared] == [200, 200, 200]
+    assert missing.status_code == 404 and missing.json()["status"] == "error"
+    # a native body is not SGLang's: SGLang's own check refuses it
+    assert native_body.status_code == 400 and native_body.json()["message"] == \
+        "num_parts must be a positive integer"
