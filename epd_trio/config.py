@@ -3,6 +3,9 @@ and ``EPD_*`` environment variables are mapped onto them.
 
 Every field becomes a flag ``--field-name`` and a variable ``EPD_FIELD_NAME``.
 Precedence: an explicit flag, then the variable, then the field's default.
+With ``--api sglang`` a field may also read SGLang's own variable for it
+(``sglang_env`` in its metadata: ``SGLANG_ENCODER_REQ_TIMEOUT``,
+``SGLANG_ENCODER_SEND_TIMEOUT``), below ours: flag, ``EPD_*``, ``SGLANG_*``, default.
 The field's ``help`` metadata is the flag's help text and the README's table.
 """
 
@@ -31,6 +34,9 @@ __all__ = [
 ]
 
 C = TypeVar("C")
+
+APIS = ("native", "sglang")
+SGLANG_BACKENDS = ("zmq_to_scheduler", "zmq_to_tokenizer", "mooncake")
 
 
 def _opt(default: Any, help: str, *, secret: bool = False, **kw: Any) -> Any:
@@ -142,8 +148,15 @@ class EncoderConfig:
 
     host: str = _opt("127.0.0.1", "address to listen on")
     port: int = _opt(8000, "port to listen on (0 picks a free one)")
-    request_timeout: float = _opt(180.0, "seconds a request may live, from arrival to delivery (→ 504)")
-    send_timeout: float = _opt(60.0, "seconds one delivery may take (ZMQ send, Mooncake /send wait) (→ 504)")
+    api: str = _opt("native", "the HTTP face: native (epd_trio's protocol v1) or sglang (SGLang "
+                    "0.5.23's encoder routes and bodies, a drop-in for its --encoder-only server)")
+    encoder_transfer_backend: str = _opt("zmq_to_scheduler", "with --api sglang, how embeddings "
+                                         "reach SGLang: zmq_to_scheduler, zmq_to_tokenizer or "
+                                         "mooncake (SGLang's own flag and values)")
+    request_timeout: float = _opt(180.0, "seconds a request may live, from arrival to delivery (→ 504)",
+                                  sglang_env="SGLANG_ENCODER_REQ_TIMEOUT")
+    send_timeout: float = _opt(60.0, "seconds one delivery may take (ZMQ send, Mooncake /send wait) (→ 504)",
+                               sglang_env="SGLANG_ENCODER_SEND_TIMEOUT")
     health_timeout: float = _opt(30.0, "seconds the /health probe encode may take (→ 503)")
     health_fresh: float = _opt(5.0, "a batch completed this recently makes /health answer without a probe")
     drain_timeout: float = _opt(30.0, "seconds in-flight requests get to finish on shutdown")
@@ -186,6 +199,11 @@ class EncoderConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.transfer_backend not in ("zmq", "mooncake"):
             raise ValueError(f"transfer_backend must be zmq or mooncake, got {self.transfer_backend!r}")
+        if self.api not in APIS:
+            raise ValueError(f"api must be one of {', '.join(APIS)}, got {self.api!r}")
+        if self.encoder_transfer_backend not in SGLANG_BACKENDS:
+            raise ValueError(f"encoder_transfer_backend must be one of {', '.join(SGLANG_BACKENDS)}, "
+                             f"got {self.encoder_transfer_backend!r}")
         if self.max_body_bytes < 1 or self.max_items < 1 or self.zmq_max_sockets < 1:
             raise ValueError("max_body_bytes, max_items and zmq_max_sockets must be at least 1")
         if self.heartbeat_interval <= 0:
@@ -202,6 +220,13 @@ class EncoderConfig:
                            tuple(dict.fromkeys(_url(u, "register_url") for u in self.register_url)))
         if self.advertise_url is not None:
             object.__setattr__(self, "advertise_url", _url(self.advertise_url, "advertise_url"))
+
+    @property
+    def uses_mooncake(self) -> bool:
+        """Whether this encoder opens a Mooncake transfer engine (either face may ask for one)."""
+        if self.api == "sglang":
+            return self.encoder_transfer_backend == "mooncake"
+        return self.transfer_backend == "mooncake"
 
 
 @dataclass(frozen=True)
@@ -330,7 +355,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tu
             add_config_arguments(parser, hints[f.name], skip=skip)
             continue
         kind = _base_type(hints[f.name])
-        help_text = f"{f.metadata.get('help', '')} [env {env_name(f.name)}; default {f.default!r}]"
+        alias = f.metadata.get("sglang_env")
+        env = env_name(f.name) + (f", or {alias} with --api sglang" if alias else "")
+        help_text = f"{f.metadata.get('help', '')} [env {env}; default {f.default!r}]"
         if kind is bool:
             group.add_argument(flag_name(f.name), dest=f.name, default=None,
                                action=argparse.BooleanOptionalAction, help=help_text)
@@ -347,13 +374,18 @@ def config_from_env(cls: type[C], environ: Mapping[str, str] | None = None, **ov
     environ = os.environ if environ is None else environ
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
+    sglang = (overrides.get("api") or environ.get(env_name("api"))) == "sglang"
     for f in fields(cls):  # type: ignore[arg-type]
         if f.metadata.get("nested"):
             values[f.name] = config_from_env(hints[f.name], environ, **overrides)
             continue
-        raw = environ.get(env_name(f.name))
+        name = env_name(f.name)
+        alias = f.metadata.get("sglang_env")
+        if name not in environ and sglang and alias is not None and alias in environ:
+            name = alias  # SGLang's own variable, below ours (os.environ refuses a None key)
+        raw = environ.get(name)
         if raw is not None:
-            values[f.name] = _parse(raw, _base_type(hints[f.name]), env_name(f.name))
+            values[f.name] = _parse(raw, _base_type(hints[f.name]), name)
     own = {f.name for f in fields(cls)}  # type: ignore[arg-type]
     values.update({k: v for k, v in overrides.items() if v is not None and k in own})
     return cls(**values)

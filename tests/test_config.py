@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
-from epd_trio.config import EngineConfig, add_config_arguments, config_from_args, config_from_env
+from epd_trio.config import (
+    EncoderConfig,
+    EngineConfig,
+    add_config_arguments,
+    config_from_args,
+    config_from_env,
+)
 
 
 def parse(argv: list[str], env: dict[str, str]) -> EngineConfig:
@@ -67,3 +74,37 @@ def test_fetch_deny_private_flag_and_variable() -> None:
     assert config_from_env(EngineConfig, {"EPD_FETCH_DENY_PRIVATE": "1"}).fetch_deny_private is True
     assert parse(["--fetch-deny-private"], {}).fetch_deny_private is True
     assert parse(["--no-fetch-deny-private"], {"EPD_FETCH_DENY_PRIVATE": "yes"}).fetch_deny_private is False
+
+
+def encoder_config(argv: list[str], env: dict[str, str]) -> EncoderConfig:
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, EncoderConfig)
+    return config_from_args(EncoderConfig, parser.parse_args(argv), env)
+
+
+def test_sglang_face_flags_and_sglangs_own_timeout_variables() -> None:
+    sglang_env = {"SGLANG_ENCODER_REQ_TIMEOUT": "90", "SGLANG_ENCODER_SEND_TIMEOUT": "45"}
+    native = encoder_config([], sglang_env)
+    assert (native.api, native.request_timeout, native.send_timeout) == ("native", 180.0, 60.0)
+    cfg = encoder_config(["--api", "sglang", "--encoder-transfer-backend", "mooncake"], sglang_env)
+    assert (cfg.request_timeout, cfg.send_timeout, cfg.uses_mooncake) == (90.0, 45.0, True)
+    ours = encoder_config(["--send-timeout", "5"], {**sglang_env, "EPD_API": "sglang",
+                                                    "EPD_REQUEST_TIMEOUT": "30"})
+    assert (ours.api, ours.encoder_transfer_backend) == ("sglang", "zmq_to_scheduler")
+    assert (ours.request_timeout, ours.send_timeout, ours.uses_mooncake) == (30.0, 5.0, False)
+    with pytest.raises(ValueError, match="SGLANG_ENCODER_SEND_TIMEOUT: expected float"):
+        encoder_config(["--api", "sglang"], {"SGLANG_ENCODER_SEND_TIMEOUT": "soon"})
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--api", "grpc"], "api must be one of native, sglang"),
+    (["--encoder-transfer-backend", "nixl"], "encoder_transfer_backend must be one of"),
+])
+def test_bad_sglang_settings_say_which(flags: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        encoder_config(flags, {})
+
+
+def test_sglang_api_reads_the_real_process_environment() -> None:
+    # os.environ refuses a None key: a field without an SGLang alias must not be looked up.
+    assert config_from_env(EncoderConfig, environ=os.environ, api="sglang").api == "sglang"

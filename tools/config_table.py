@@ -20,7 +20,10 @@ def table(cls: type) -> str:
     for f in dataclasses.fields(cls):
         if f.metadata.get("nested"):
             continue
-        rows.append(f"| `{flag_name(f.name)}` | `{env_name(f.name)}` | `{f.default!r}` | "
+        env = f"`{env_name(f.name)}`"
+        if alias := f.metadata.get("sglang_env"):
+            env += f" (with `--api sglang` also `{alias}`, below ours)"
+        rows.append(f"| `{flag_name(f.name)}` | {env} | `{f.default!r}` | "
                     f"{f.metadata['help']} |")
     return "\n".join(rows)
 

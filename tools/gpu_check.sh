@@ -77,6 +77,16 @@ step() {  # step NAME TIMEOUT_S COMMAND...
 }
 
 step gpu_tests 120 "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -o faulthandler_timeout=110
+# SGLang's own Mooncake receiver (WaitingRDMARequest) with its unmodified per-request CUDA
+# landing buffer; on CPU, tests/sglang lands in a CPU tensor instead. Needs the interop env
+# (tools/sglang_env.sh: carry .sglang) and a CUDA build of mooncake-transfer-engine.
+if [ -f "$ROOT/.sglang/.epd-sglang-installed" ] && "$PY" -c 'import mooncake.engine' >/dev/null 2>&1; then
+    step sglang_mooncake 120 env EPD_SGLANG_LANDING=cuda EPD_REQUIRE_SGLANG=1 "$PY" -m pytest -q \
+        tests/sglang/test_sglang_end_to_end.py -k mooncake -p no:cacheprovider -o faulthandler_timeout=110
+else
+    ROWS+=("$(printf '%-18s %-12s %5ss' sglang_mooncake "skipped" 0)")
+    echo; echo "== sglang_mooncake: skipped (no .sglang interop env or no mooncake here)"
+fi
 # The 7B vision tower's checkpoint is built once (in bench_engine) and reused.
 step bench_engine 150 "$PY" tools/bench_engine.py --device cuda --checkpoint-dir "$CKPT" \
     --images 32 --concurrency 8 16
@@ -102,6 +112,8 @@ step bench_capacity 75 "$PY" tools/bench_capacity.py --quick --null-forward --fo
     printf '%-18s %-12s %6s\n' step status time
     printf '%s\n' "${ROWS[@]}"
     echo; echo "-- gpu tests:"; grep -E 'passed|failed|skipped|error' "$LOGS/gpu_tests.log" | tail -1
+    echo; echo "-- SGLang's Mooncake receiver on CUDA:"
+    grep -E 'passed|failed|skipped|error' "$LOGS/sglang_mooncake.log" 2>/dev/null | tail -1 || echo "(not run)"
     echo; echo "-- engine vs bare transformers (img/s):"
     grep -E '^(config|qwen2\.5-vl-7b-vision) ' "$LOGS/bench_engine.log" || echo "(no table)"
     echo; echo "-- service:"; grep -E '^summary' "$LOGS/bench_service.log" || echo "(no summary)"

@@ -25,6 +25,9 @@ from epd_trio.delivery.base import (
 )
 from epd_trio.delivery.inline import InlineDelivery
 from epd_trio.delivery.mooncake import MooncakeDelivery
+from epd_trio.delivery.sglang_mooncake import SGLangMooncakeDelivery
+from epd_trio.delivery.sglang_rendezvous import Rendezvous
+from epd_trio.delivery.sglang_zmq import SGLangZmqDelivery
 from epd_trio.delivery.zmq import ZmqDelivery
 from epd_trio.config import EncoderConfig
 from epd_trio.errors import RequestError
@@ -41,6 +44,9 @@ __all__ = [
     "InlineDelivery",
     "MooncakeDelivery",
     "PulledDelivery",
+    "Rendezvous",
+    "SGLangMooncakeDelivery",
+    "SGLangZmqDelivery",
     "ZmqDelivery",
     "build_delivery",
     "map_exceptions",
@@ -54,6 +60,8 @@ FACTORIES: Mapping[str, DeliveryFactory] = MappingProxyType({
     "inline": InlineDelivery.for_request,
     "zmq": ZmqDelivery.for_request,
     "mooncake": MooncakeDelivery.for_request,
+    "sglang_zmq": SGLangZmqDelivery.for_request,
+    "sglang_mooncake": SGLangMooncakeDelivery.for_request,
 })
 
 
@@ -77,7 +85,7 @@ async def open_deliveries(config: EncoderConfig) -> AsyncIterator[DeliveryContex
 
 @asynccontextmanager
 async def _maybe_mooncake(config: EncoderConfig) -> AsyncIterator[MooncakeTransport | None]:
-    if config.transfer_backend != "mooncake":
+    if not config.uses_mooncake:
         yield None
         return
     host = config.mooncake_host or ("127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host)

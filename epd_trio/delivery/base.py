@@ -34,6 +34,8 @@ import trio
 from epd_trio.errors import EPDError
 from epd_trio.protocol.requests import EncodeMeta, EncodeRequest
 
+from epd_trio.delivery.sglang_rendezvous import Rendezvous
+
 if TYPE_CHECKING:
     from epd_trio.transport.mooncake import MooncakeTransport
     from epd_trio.transport.zmq import PushSocketCache
@@ -83,9 +85,11 @@ class PulledDelivery(Delivery, Protocol):
     """A delivery its receivers pull: each posts an order (``/send``) for its copy.
 
     It writes into the receivers' memory, so ``/abort`` waits until it has let go.
+    ``order`` carries what a protocol adds to an order (SGLang: where to send
+    the completion notice, and how many receivers there are).
     """
 
-    async def take_order(self, session: str, address: int, length: int) -> int: ...
+    async def take_order(self, session: str, address: int, length: int, **order: Any) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -96,11 +100,14 @@ class DeliveryContext:
     mooncake: MooncakeTransport | None
     send_timeout: float
     threads: trio.CapacityLimiter  # inline bodies built off the event loop
+    # SGLang's destinations and sizes, which may come before their /encode.
+    rendezvous: Rendezvous = dataclasses.field(default_factory=Rendezvous)
 
     def statistics(self) -> dict[str, Any]:
         """Each transport's statistics by name, for ``/stats`` (None: not opened)."""
         return {"zmq": dataclasses.asdict(self.zmq.statistics()),
-                "mooncake": dataclasses.asdict(self.mooncake.statistics()) if self.mooncake else None}
+                "mooncake": dataclasses.asdict(self.mooncake.statistics()) if self.mooncake else None,
+                "sglang_rendezvous": dataclasses.asdict(self.rendezvous.statistics())}
 
 
 DeliveryFactory = Callable[[EncodeRequest, DeliveryContext], Delivery]

@@ -116,13 +116,22 @@ class MooncakeDelivery:
     def sized(self, meta: EncodeMeta) -> Answer | None:
         return Answer(meta, nbytes=_nbytes(meta))  # receivers reserve while the forward runs
 
-    async def take_order(self, session: str, address: int, length: int) -> int:
+    async def take_order(self, session: str, address: int, length: int, **order_fields: Any) -> int:
         """A ``/send``: post the order, wait until it is served; the bytes written."""
-        order = SendOrder(session, address, length)
+        order = self._order(session, address, length, **order_fields)
         self.mailbox.post(order)
         await order.done.wait()  # bounded: every posted order is finished (served or failed)
         assert order.result is not None
         return order.result.unwrap()
+
+    def _order(self, session: str, address: int, length: int, **order_fields: Any) -> SendOrder:
+        """The order of one ``/send`` (a protocol may add fields; ours has none)."""
+        if order_fields:
+            raise RequestError(f"unexpected /send fields {sorted(order_fields)}")
+        return SendOrder(session, address, length)
+
+    async def written(self, order: SendOrder) -> None:
+        """After one order's bytes are in place, before it counts as served (a hook)."""
 
     async def deliver(self, embedding: Any, meta: EncodeMeta) -> Answer:
         with map_exceptions(_ERRORS, "mooncake delivery"):
@@ -150,7 +159,6 @@ class MooncakeDelivery:
         nbytes = embedding.numel() * embedding.element_size()
         served: set[tuple[str, int]] = set()
         all_served = trio.Event()
-        wanted = self.mailbox.receive_count
 
         async def write(order: SendOrder) -> None:
             try:
@@ -167,12 +175,13 @@ class MooncakeDelivery:
                 with map_exceptions(_ERRORS, f"mooncake write to {order.session}"):
                     await self._mooncake.write(order.session, embedding.data_ptr(), order.address,
                                                nbytes, timeout=self._timeout, keepalive=embedding)
+                await self.written(order)
             except EPDError as exc:
                 order.finish(outcome.Error(exc))
                 raise
             served.add(order.destination)
             order.finish(outcome.Value(nbytes))
-            if len(served) >= wanted:
+            if len(served) >= self.mailbox.receive_count:  # read now: a protocol may learn it late
                 all_served.set()
 
         async with self._mooncake.registered(embedding.data_ptr(), nbytes):
@@ -189,6 +198,7 @@ class MooncakeDelivery:
             except* EPDError as group:
                 raise first_error(group) from None
             if waiting.cancelled_caught:
+                wanted = self.mailbox.receive_count
                 raise TransferTimeout(f"{wanted - len(served)} of {wanted} "
                                       f"receivers did not /send within {self._timeout} s")
 

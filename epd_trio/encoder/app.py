@@ -28,7 +28,7 @@ from epd_trio.protocol.requests import (
     parse_send_request,
 )
 
-__all__ = ["create_app"]
+__all__ = ["access_control", "add_shared_routes", "create_app"]
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +49,9 @@ def create_app(service: EncoderService) -> QuartTrio:
     app = QuartTrio(__name__)
     app.config["MAX_CONTENT_LENGTH"] = service.config.max_body_bytes
     app.config["BODY_TIMEOUT"] = service.config.request_timeout
-    _access_control(app, service.config)
+    access_control(app, service.config)
     _routes(app, service)
+    add_shared_routes(app, service)
     install_error_handlers(app, "encoder")
     return app
 
@@ -61,9 +62,10 @@ ADMIN_PATHS = frozenset({"/abort", "/start_profile", "/stop_profile"})
 DATA_PATHS = frozenset({"/encode", "/send"})
 
 
-def _access_control(app: QuartTrio, config: Any) -> None:
+def access_control(app: QuartTrio, config: Any, data_paths: frozenset[str] = DATA_PATHS) -> None:
+    """The head-size limit and the bearer token, checked before any body is read (both faces)."""
     auth = BearerAuth(config.auth_token)
-    guarded = ADMIN_PATHS | (DATA_PATHS if config.require_auth_for_encode else frozenset())
+    guarded = ADMIN_PATHS | (data_paths if config.require_auth_for_encode else frozenset())
 
     @app.before_request
     async def check_head_and_token() -> None:
@@ -108,11 +110,6 @@ def _routes(app: QuartTrio, service: EncoderService) -> None:
             return json_error(exc, _peek_req_id(body))
         return json_response({"req_id": req.req_id, "part_idx": req.part_idx, "nbytes": nbytes})
 
-    @app.post("/abort")
-    async def abort() -> Response:
-        req = parse_abort_request(await _body())
-        return json_response({"req_id": req.req_id, "aborted": await service.abort(req.req_id, req.part_idx)})
-
     @app.get("/health")
     async def health() -> Response:
         report = await service.check_health()
@@ -122,6 +119,27 @@ def _routes(app: QuartTrio, service: EncoderService) -> None:
         if report.dead_workers:
             body["dead_workers"] = list(report.dead_workers)
         return json_response(body, 200 if report.healthy else 503)
+
+    @app.post("/start_profile")
+    async def start_profile() -> Response:
+        raw = await request.get_data(cache=False)
+        output_dir, num_steps = parse_profile_request(parse_json_body(raw) if raw.strip() else {})
+        target = service.profiler.start(output_dir, num_steps)
+        return json_response({"status": "started", "output_dir": str(target), "num_steps": num_steps})
+
+    @app.post("/stop_profile")
+    async def stop_profile() -> Response:
+        trace = await service.profiler.stop()
+        return json_response({"status": "stopped", "trace": str(trace)})
+
+
+def add_shared_routes(app: QuartTrio, service: EncoderService) -> None:
+    """What every face serves the same way: /abort, /model_info, /stats, /metrics."""
+
+    @app.post("/abort")
+    async def abort() -> Response:
+        req = parse_abort_request(await _body())
+        return json_response({"req_id": req.req_id, "aborted": await service.abort(req.req_id, req.part_idx)})
 
     @app.get("/model_info")
     async def model_info() -> Response:
@@ -137,15 +155,3 @@ def _routes(app: QuartTrio, service: EncoderService) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(service.metrics.exposition(), status=200, content_type=METRICS_CONTENT_TYPE)
-
-    @app.post("/start_profile")
-    async def start_profile() -> Response:
-        raw = await request.get_data(cache=False)
-        output_dir, num_steps = parse_profile_request(parse_json_body(raw) if raw.strip() else {})
-        target = service.profiler.start(output_dir, num_steps)
-        return json_response({"status": "started", "output_dir": str(target), "num_steps": num_steps})
-
-    @app.post("/stop_profile")
-    async def stop_profile() -> Response:
-        trace = await service.profiler.stop()
-        return json_response({"status": "stopped", "trace": str(trace)})

@@ -16,19 +16,23 @@ import dataclasses
 import functools
 import logging
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Final
 from urllib.parse import urlsplit
 
 import hypercorn.trio
 import trio
+from quart_trio import QuartTrio
 
 from epd_trio.bootstrap.registration import Registration, open_registration
 from epd_trio.protocol.urls import normalize_url
 from epd_trio._http import hypercorn_config
 from epd_trio.config import EncoderConfig
 from epd_trio.encoder.app import create_app
+from epd_trio.encoder.sglang_app import create_sglang_app
 from epd_trio.encoder.service import EncoderService, open_encoder_service
 from epd_trio.engine import open_engine
 from epd_trio.errors import RequestError
@@ -36,6 +40,12 @@ from epd_trio.errors import RequestError
 __all__ = ["EncoderServer", "run_encoder", "serve_encoder"]
 
 log = logging.getLogger(__name__)
+
+# ``--api`` → the face that speaks it; a face is one module and one line here.
+FACES: Final[Mapping[str, Callable[[EncoderService], QuartTrio]]] = MappingProxyType({
+    "native": create_app,
+    "sglang": create_sglang_app,
+})
 
 # Requests have drained before Hypercorn is told to stop; what remains are idle
 # keep-alive connections, which need no long grace.
@@ -62,7 +72,7 @@ async def serve_encoder(config: EncoderConfig) -> AsyncIterator[EncoderServer]:
             open_encoder_service(config, engine) as service, \
             trio.open_nursery() as nursery:
         stop = trio.Event()
-        serve = functools.partial(hypercorn.trio.serve, create_app(service),
+        serve = functools.partial(hypercorn.trio.serve, FACES[config.api](service),
                                   hypercorn_config(config.host, config.port, _HTTP_GRACE, config.max_header_bytes), shutdown_trigger=stop.wait)
         urls = await nursery.start(serve)
         advertise = advertised_url(config, urls[0])

@@ -132,13 +132,17 @@ class EncoderService:
             if not scope.answered:  # our client left (disconnect) or we were cancelled
                 scope.abort(AbortedError("the client went away", req_id=request.req_id))
 
-    async def send(self, req_id: str, part_idx: int, *, session: str, address: int, length: int) -> int:
-        """A receiver's order for its copy (Mooncake ``/send``); the bytes written."""
+    async def send(self, req_id: str, part_idx: int, *, session: str, address: int, length: int,
+                   **order: Any) -> int:
+        """A receiver's order for its copy (Mooncake ``/send``); the bytes written.
+
+        ``order`` is what a face's protocol adds to it, for its delivery.
+        """
         delivery = self.registry.get((req_id, part_idx)).delivery
         if not isinstance(delivery, PulledDelivery):
             raise RequestError(f"request {req_id!r} part {part_idx} is not a Mooncake delivery",
                                req_id=req_id)
-        return await delivery.take_order(session, address, length)
+        return await delivery.take_order(session, address, length, **order)
 
     async def abort(self, req_id: str, part_idx: int | None) -> int:
         """Cancel the matching scopes; pulled deliveries are waited for (bounded).

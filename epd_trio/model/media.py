@@ -3,7 +3,8 @@
 An item is a ``data:`` URI, an ``http(s)://`` URL, a local path (only under a
 configured media root), raw bytes, a PIL image, a video's frames (a list of PIL
 images or arrays, or one 4-D array; in-process callers only), or
-``{"url": ..., "content_hash": ...}``. Images are decoded here; videos in
+``{"url": ..., "content_hash": ...}`` (a ``sha256:<hex>`` hash is checked
+against the item's bytes). Images are decoded here; videos in
 ``video.py``, audio in ``audio.py``.
 Fetching is async (trio + httpx), bounded in bytes and time, and every hop is
 checked by ``fetch_rules`` before it connects; decoding is blocking and runs in the preprocessing thread. Every failure is a
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import io
 from contextlib import aclosing
 from collections.abc import Sequence
@@ -72,6 +74,15 @@ def _url_of(item: MediaItem, index: int) -> MediaItem:
             raise item_error(index, "an item object needs a string 'url'")
         return url
     return item
+
+
+def _claimed_sha256(item: MediaItem) -> str | None:
+    """The hex digest an item's ``content_hash`` claims, when it is ``sha256:<64 hex>``
+    (SGLang's form); other hashes are cache names only, never checked."""
+    claimed = item.get("content_hash") if isinstance(item, dict) else None
+    if isinstance(claimed, str) and claimed.startswith("sha256:") and len(claimed) == 71:
+        return claimed[7:].lower()
+    return None
 
 
 def decode_data_uri(uri: str, index: int, max_bytes: int) -> bytes:
@@ -136,7 +147,14 @@ class MediaLoader:
         return out
 
     async def _load_one(self, index: int, item: MediaItem) -> Loaded:
-        item = _url_of(item, index)
+        claimed = _claimed_sha256(item)
+        loaded = await self._load_source(index, _url_of(item, index))
+        if claimed is not None and isinstance(loaded, bytes) and \
+                hashlib.sha256(loaded).hexdigest() != claimed:
+            raise item_error(index, "the bytes do not match its content_hash")
+        return loaded
+
+    async def _load_source(self, index: int, item: MediaItem) -> Loaded:
         if isinstance(item, (bytes, bytearray, memoryview)):
             return bytes(item)
         if not isinstance(item, str):

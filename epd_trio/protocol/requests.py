@@ -36,7 +36,8 @@ _TCP: Final = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})"
 _IPC: Final = re.compile(r"ipc://([^\x00]+)")
 _MAX_IPC_PATH: Final = 107  # sun_path is 108 bytes with its NUL
 
-Backend = Literal["inline", "zmq", "mooncake"]
+# The native body names the first three; the SGLang face builds the other two.
+Backend = Literal["inline", "zmq", "mooncake", "sglang_zmq", "sglang_mooncake"]
 
 
 @dataclass(frozen=True)

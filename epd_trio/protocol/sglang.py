@@ -34,6 +34,7 @@ import torch
 from epd_trio.errors import error_body, http_status
 from epd_trio.protocol.codec import TORCH_DTYPES, FrameLike
 from epd_trio.protocol.payload import tensor_bytes
+from epd_trio.protocol.requests import EncodeMeta
 
 __all__ = [
     "EMBEDDING_DATA_CLASS",
@@ -43,6 +44,7 @@ __all__ = [
     "embedding_message",
     "error_frame",
     "error_message",
+    "meta_fields",
 ]
 
 EMBEDDING_DATA_CLASS: Final = ("sglang.srt.disaggregation.encoder.receiver", "EmbeddingData")
@@ -221,3 +223,24 @@ def error_message(req_id: str, part_idx: int, num_parts: int, modality: str,
     status = min(max(http_status(exc), 400), 599)
     return [error_frame(req_id=req_id, part_idx=part_idx, num_parts=num_parts,
                         modality=modality, message=message, status=status)]
+
+
+def meta_fields(meta: EncodeMeta) -> dict[str, Any]:
+    """``embedding_frame`` / ``embedding_message`` keywords for one part, from our meta.
+
+    Images and videos: the part's grid rows. Audio: the items' mel-frame input
+    lengths (the adapter's ``mel_frames`` extra), which SGLang's receiver takes
+    as ``audio_feature_lens``. Video extras: Qwen2.5-VL ``second_per_grid_ts``,
+    Qwen3-VL ``timestamps`` (SGLang's ``video_timestamps``).
+    """
+    extras = meta.extras or {}
+    if meta.modality == "audio":
+        if "mel_frames" not in extras:
+            raise ValueError("an audio part needs its items' mel_frames for SGLang's grid")
+        grid: Any = [int(n) for n in extras["mel_frames"]]
+    else:
+        grid = meta.grid_thw
+    return {"req_id": meta.req_id, "part_idx": meta.part_idx, "num_parts": meta.num_parts,
+            "modality": meta.modality, "grid": grid,
+            "second_per_grid_ts": extras.get("second_per_grid_ts") or None,
+            "video_timestamps": extras.get("timestamps") or None}

@@ -65,9 +65,9 @@ class FaultyDelivery:
 class FaultyPulledDelivery(FaultyDelivery):
     """The same, for a delivery its receivers pull with orders."""
 
-    async def take_order(self, session: str, address: int, length: int) -> int:
+    async def take_order(self, session: str, address: int, length: int, **order: Any) -> int:
         assert isinstance(self.inner, PulledDelivery)
-        return await self.inner.take_order(session, address, length)
+        return await self.inner.take_order(session, address, length, **order)
 
 
 def install(plan: FaultPlan | None, owner: Any) -> bool:

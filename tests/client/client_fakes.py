@@ -3,7 +3,7 @@
 Each fake follows a script (``Behaviour``) and records what it was asked, so a
 test can check the client's requests, aborts and the exact tensors it pushed.
 Its answers and ZMQ headers have the real encoder's shape (``extras`` for videos
-included): ``test_client_fakes_contract.py`` checks them against a real encoder's.
+and audio included): ``test_client_fakes_contract.py`` checks them against a real encoder's.
 """
 
 from __future__ import annotations
@@ -61,8 +61,11 @@ def grid_of(tokens: int, modality: str) -> list[int] | None:
     return None if modality == "audio" else [1, 2, tokens * 2]
 
 
-def extras_of(items: list[bytes], modality: str) -> dict[str, list[float]]:
-    """Per-item extras as a Qwen2.5-VL encoder sends them: for videos only."""
+def extras_of(items: list[bytes], modality: str) -> dict[str, list[Any]]:
+    """Per-item extras as the real encoders send them: Qwen2.5-VL videos' seconds per grid
+    step, Qwen2-Audio items' mel-frame lengths; none for images."""
+    if modality == "audio":
+        return {"mel_frames": [100 * (1 + data[0] % 4) for data in items]}
     if modality != "video":
         return {}
     return {"second_per_grid_ts": [0.5 * (1 + data[0] % 4) for data in items]}

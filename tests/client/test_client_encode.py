@@ -136,9 +136,10 @@ async def test_modalities_are_laid_out_modality_major_with_their_own_dtypes(make
             assert [(it.modality, it.index) for it in result.items] == \
                 [("image", 0), ("image", 1), ("image", 2), ("video", 0), ("video", 1), ("audio", 0)]
             assert result.items[-1].grid_thw is None and result.grid_thw["audio"] == []
-            # per-item extras (the real encoder sends them for videos) reach each item
+            # per-item extras (the real encoder sends them for videos and audio) reach each item
             assert [it.extras for it in result.items] == [{}] * 3 + [
-                {"second_per_grid_ts": v} for v in extras_of(vids, "video")["second_per_grid_ts"]] + [{}]
+                {"second_per_grid_ts": v} for v in extras_of(vids, "video")["second_per_grid_ts"]] + [
+                {"mel_frames": v} for v in extras_of(auds, "audio")["mel_frames"]]
             starts = [result.embeddings[m].data_ptr() for m in ("image", "video", "audio")]
             assert starts == sorted(starts)
         assert_clean(client)

@@ -106,7 +106,9 @@ async def test_qwen2_audio_probes_with_audio_and_encodes_over_zmq(encoder_for: A
     assert stats["health"]["probe_modality"] == "audio" and stats["health"]["probe_failures"] == 0
     assert info["modalities"] == ["audio"] and info["embedding_layout"] == [{"name": "embedding", "width": 40}]
     assert answer["token_counts"] == header.token_counts == local.token_counts
-    assert answer["grid_thw"] == header.grid_thw == [] and "extras" not in answer and header.extras == {}
+    assert answer["grid_thw"] == header.grid_thw == []
+    # each item's real mel-frame length (SGLang's audio grid): 100 frames a second at 16 kHz
+    assert answer["extras"] == header.extras == local.extras == {"mel_frames": [80, 200]}
     assert torch.equal(pushed, local.embedding)
     assert image.status_code == 400 and "does not encode 'image'" in image.json()["error"]["message"]
 

@@ -10,7 +10,8 @@ nothing from epd_trio. Lines meant for the test start with ``EPD-DRIVER``
     ``zmq_to_tokenizer`` receiver does (``safe_pickle_loads`` of frame 0, the
     part-id check, frame 1 into a tensor, ``MultiModalEmbeddingData`` merging),
     and write what SGLang saw to ``DIR/result.json`` and the tensors to
-    ``DIR/result.safetensors``.
+    ``DIR/result.safetensors``. A frame-0-only message that is no error (a
+    Mooncake completion notice) is read, not merged: its bytes came by RDMA.
 ``bootstrap``
     Run SGLang's ``EncoderBootstrapServer`` on 127.0.0.1, port 0; print its
     port; at stdin EOF print the URLs it holds and stop.
@@ -19,6 +20,11 @@ nothing from epd_trio. Lines meant for the test start with ``EPD-DRIVER``
     (``http_server._register_encoder_url_with_bootstrap``); at a stdin line,
     unregister them the same way. A warning from that code (a non-200 answer)
     ends the process at once with ``FAILED``.
+``serve``
+    Be an SGLang language server's encoder-facing half (``sglang_language_side.py``):
+    print ``READY``, then for each JSON command line on stdin run one request
+    through SGLang's own receiver code against real encoders and print
+    ``RESULT <json>``.
 """
 
 from __future__ import annotations
@@ -83,8 +89,8 @@ def decode_case(name: str, case: dict[str, Any], tensors: dict[str, Any]) -> dic
         record["matches"] = receiver._embedding_part_matches_request(obj, case["rid"])
         record["req_id_after_match"] = obj.req_id
         parts.append(record)
-        if obj.error_msg is not None or not record["matches"]:
-            continue
+        if obj.error_msg is not None or not record["matches"] or len(frames) == 1:
+            continue  # an error, another request's part, or a Mooncake completion notice
         receiver.WaitingZmqRequest._extract_embedding_from_buffer(None, obj, frames)
         tensors[f"{name}/part{index}"] = obj.embedding
         merged = receiver._aggregate_embedding_part(merged, obj, case.get("model_type"))
@@ -165,6 +171,10 @@ def main(argv: list[str]) -> None:
         bootstrap()
     elif mode == "register":
         register(rest[0], [(rest[i], int(rest[i + 1])) for i in range(1, len(rest), 2)])
+    elif mode == "serve":
+        from sglang_language_side import serve
+
+        serve(say, sys.stdin)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 

@@ -14,11 +14,16 @@ where a missing or stale one fails them.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import queue
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -91,3 +96,79 @@ def sglang_env() -> SGLangEnv:
     if os.environ.get("EPD_REQUIRE_SGLANG") == "1":
         pytest.fail(problem)
     pytest.skip(problem)
+
+
+class LanguageServer:
+    """``sglang_driver.py serve``: SGLang's language-server receiver code, one request at a time.
+
+    Synchronous, so one process serves a whole test module; its stderr (SGLang's
+    logs) goes to a file the failure message quotes.
+    """
+
+    def __init__(self, env: SGLangEnv, workdir: Path) -> None:
+        self._workdir = workdir
+        self._log = workdir / "sglang-language-side.log"
+        self._count = 0
+        # Loopback only; Mooncake over TCP; no GPU embedding pool (SGLang's default would be one).
+        environ = {**env.environ(), "SGLANG_HOST_IP": "127.0.0.1", "MOONCAKE_PROTOCOL": "tcp",
+                   "MC_FORCE_TCP": "1", "SGLANG_EMBEDDING_POOL_SIZE_MB": "0"}
+        with self._log.open("wb") as log:
+            self._process = subprocess.Popen(env.command("serve"), env=environ, stdin=subprocess.PIPE,
+                                             stdout=subprocess.PIPE, stderr=log, text=True)
+        self._lines: queue.Queue[list[str] | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        assert self._next(DRIVER_TIMEOUT) == ["READY"], self.log_tail()
+
+    def _read(self) -> None:
+        assert self._process.stdout is not None
+        for line in self._process.stdout:
+            if line.startswith("EPD-DRIVER "):
+                self._lines.put(line.rstrip("\n").split(" ", 2)[1:])
+        self._lines.put(None)
+
+    def _next(self, timeout: float) -> list[str]:
+        try:
+            words = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"the SGLang driver said nothing for {timeout} s\n{self.log_tail()}")
+        assert words is not None, f"the SGLang driver exited\n{self.log_tail()}"
+        return words
+
+    def log_tail(self, chars: int = 6000) -> str:
+        return self._log.read_text(errors="replace")[-chars:]
+
+    def request(self, timeout: float = 300.0, **command: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """One request through SGLang's code; its JSON answer and the tensors SGLang assembled."""
+        from safetensors.torch import load_file
+
+        self._count += 1
+        out = self._workdir / f"result{self._count}.safetensors"
+        assert self._process.stdin is not None
+        self._process.stdin.write(json.dumps({**command, "out": str(out)}) + "\n")
+        self._process.stdin.flush()
+        word, payload = self._next(timeout)
+        assert word == "RESULT", (word, payload)
+        answer = json.loads(payload)
+        assert "crash" not in answer, f"{answer['crash']}\n{self.log_tail()}"
+        return answer, load_file(out)
+
+    def close(self) -> None:
+        if self._process.stdin is not None:
+            self._process.stdin.close()
+        try:
+            self._process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        if self._process.stdout is not None:
+            self._process.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def language_server(sglang_env: SGLangEnv, tmp_path_factory: pytest.TempPathFactory
+                    ) -> Iterator[LanguageServer]:
+    server = LanguageServer(sglang_env, tmp_path_factory.mktemp("sglang_language_side"))
+    try:
+        yield server
+    finally:
+        server.close()

@@ -81,13 +81,16 @@ class Qwen2AudioAdapter(ModelAdapter):
     def item_result(self, processed: dict[str, Any], modality: str,
                     extras: dict[str, list[Any]] | None = None) -> PreprocessResult:
         mask = processed["attention_mask"]
-        counts = tuple(audio_token_count(int(n)) for n in mask.sum(-1).tolist())
+        mel_frames = [int(n) for n in mask.sum(-1).tolist()]
+        counts = tuple(audio_token_count(n) for n in mel_frames)
+        # Each item's real mel-frame length (its input length, not its tokens):
+        # what SGLang's receiver takes as the audio grid (audio_feature_lens).
         return PreprocessResult(
             modality=modality,
             inputs={"input_features": processed["input_features"], "feature_attention_mask": mask},
             grid_thw=(),
             token_counts=counts,
-            extras=dict(extras or {}),
+            extras={**(extras or {}), "mel_frames": mel_frames},
         )
 
     def collate(self, results: Sequence[PreprocessResult]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,192 @@
+"""SGLang's per-part rendezvous: where a part goes and how big it is, known in any order.
+
+An SGLang language server tells an encoder where a part goes with one
+``/scheduler_receive_url`` per tensor-parallel rank (zmq_to_scheduler), and
+pulls a part's sizes with ``/scheduler_receive_meta_data`` (mooncake); either
+may come before the part's ``/encode``. One ``Entry`` per ``req_id`` (SGLang's
+part id, ``<rid>_local_part_<k>``) holds what is known so far.
+
+It is a resource like any other: an entry lives while a delivery holds it
+(``claim`` … ``release``) or a caller waits on it, never longer. A
+registration that no ``/encode`` claims within its wait is withdrawn (504), a
+sizes wait that times out leaves nothing behind, and ``statistics()`` shows
+that the table is empty once the traffic has gone. How the last ``MAX_ENDED``
+parts ended is remembered (a bounded table), so a caller that comes after its
+part was released is answered at once instead of waiting out its timeout.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+import trio
+
+from epd_trio.errors import ConflictError, DeadlineExceeded, EPDError, RequestError, UnknownRequestError
+
+__all__ = ["MAX_ENDED", "Entry", "Rendezvous", "RendezvousStatistics"]
+
+MAX_ENDED = 4096  # endings remembered: minutes of traffic, a few hundred KiB at most
+
+
+@dataclass(frozen=True)
+class RendezvousStatistics:
+    entries: int
+    claimed: int  # held by a live request's delivery
+    waiters: int  # handlers waiting for a claim or for sizes
+    destinations: int  # registered, over all entries
+    ended: int  # endings remembered (bounded by MAX_ENDED)
+
+
+class Entry:
+    """What is known of one part: its destinations, its sizes, how it ended."""
+
+    def __init__(self, req_id: str) -> None:
+        self.req_id = req_id
+        self.receive_count: int | None = None  # set by the first registration
+        self.destinations: dict[str, None] = {}  # an ordered set of "host:port"
+        self.claimed = False
+        self.closed = False  # its delivery let go
+        self.sizes: dict[str, int] | None = None
+        self.error: EPDError | None = None
+        self.waiters = 0
+        self._changed = trio.Event()
+
+    def notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_changed(self) -> None:
+        """Until the next change; callers check their condition first, with no await between."""
+        await self._changed.wait()
+
+    def publish_sizes(self, sizes: dict[str, int]) -> None:
+        self.sizes = dict(sizes)
+        self.notify()
+
+    def publish_error(self, error: EPDError) -> None:
+        self.error = error
+        self.notify()
+
+    def __repr__(self) -> str:
+        return (f"<Entry {self.req_id!r} {len(self.destinations)}/{self.receive_count} destinations"
+                f"{', claimed' if self.claimed else ''}{', closed' if self.closed else ''}>")
+
+
+class Rendezvous:
+    """The encoder's table of entries, keyed by SGLang's part id."""
+
+    def __init__(self, max_ended: int = MAX_ENDED) -> None:
+        self._entries: dict[str, Entry] = {}
+        self._ended: OrderedDict[str, EPDError | None] = OrderedDict()  # req_id → its error
+        self._max_ended = max_ended
+
+    def _check_not_ended(self, req_id: str) -> None:
+        if req_id in self._ended:
+            error = self._ended[req_id]
+            raise error if error is not None else UnknownRequestError(
+                f"request {req_id!r} has already been delivered and released", req_id=req_id)
+
+    def _entry(self, req_id: str) -> Entry:
+        entry = self._entries.get(req_id)
+        if entry is None:
+            entry = self._entries[req_id] = Entry(req_id)
+        return entry
+
+    def _drop_if_unused(self, entry: Entry) -> None:
+        if not entry.claimed and entry.waiters == 0 and self._entries.get(entry.req_id) is entry:
+            del self._entries[entry.req_id]
+
+    @contextmanager
+    def _waiting(self, entry: Entry) -> Iterator[None]:
+        entry.waiters += 1
+        try:
+            yield
+        finally:
+            entry.waiters -= 1
+            self._drop_if_unused(entry)
+
+    # ---- the face's side ------------------------------------------------------
+    async def register(self, req_id: str, receive_count: int, destination: str, *,
+                       timeout: float) -> None:
+        """``/scheduler_receive_url``: add ``destination``; return once a delivery holds it.
+
+        A different ``receive_count`` for the same part is a 400; no
+        ``/encode`` within ``timeout`` withdraws the destination (504); a part
+        that has already ended answers how it ended.
+        """
+        self._check_not_ended(req_id)
+        entry = self._entry(req_id)
+        if entry.receive_count is not None and entry.receive_count != receive_count:
+            self._drop_if_unused(entry)
+            raise RequestError(f"receive_count {receive_count} differs from the "
+                               f"{entry.receive_count} registered before for {req_id!r}", req_id=req_id)
+        entry.receive_count = receive_count
+        entry.destinations[destination] = None
+        entry.notify()
+        with self._waiting(entry):
+            with trio.move_on_after(timeout):
+                while not (entry.claimed or entry.closed):
+                    await entry.wait_changed()
+            if not (entry.claimed or entry.closed):
+                del entry.destinations[destination]
+                if not entry.destinations:
+                    entry.receive_count = None
+                raise DeadlineExceeded(f"no /encode for {req_id!r} arrived within {timeout} s",
+                                       req_id=req_id)
+
+    async def wait_sizes(self, req_id: str, *, timeout: float) -> dict[str, int]:
+        """``/scheduler_receive_meta_data``: the part's sizes once known (504 after ``timeout``);
+        its error if it failed first."""
+        self._check_not_ended(req_id)
+        entry = self._entry(req_id)
+        with self._waiting(entry):
+            with trio.move_on_after(timeout):
+                while entry.sizes is None and entry.error is None and not entry.closed:
+                    await entry.wait_changed()
+        if entry.error is not None:
+            raise entry.error
+        if entry.sizes is None:
+            if entry.closed:
+                raise UnknownRequestError(f"request {req_id!r} was released", req_id=req_id)
+            raise DeadlineExceeded(f"the sizes of {req_id!r} were not known within {timeout} s",
+                                   req_id=req_id)
+        return entry.sizes
+
+    # ---- the delivery's side --------------------------------------------------
+    def claim(self, req_id: str) -> Entry:
+        """The entry for a live request's delivery (a second claim is a 409).
+
+        A new claim of an ended part's id (a request id reused) starts afresh.
+        """
+        self._ended.pop(req_id, None)
+        entry = self._entry(req_id)
+        if entry.claimed:
+            raise ConflictError(f"request {req_id!r} already has a live delivery", req_id=req_id)
+        entry.claimed = True
+        entry.notify()
+        return entry
+
+    def release(self, entry: Entry) -> None:
+        """The delivery let go: wake every waiter, forget the entry."""
+        entry.claimed = False
+        entry.closed = True
+        entry.notify()
+        if self._entries.get(entry.req_id) is entry:
+            del self._entries[entry.req_id]
+        self._ended[entry.req_id] = entry.error
+        self._ended.move_to_end(entry.req_id)
+        while len(self._ended) > self._max_ended:
+            self._ended.popitem(last=False)
+
+    def statistics(self) -> RendezvousStatistics:
+        entries = list(self._entries.values())
+        return RendezvousStatistics(len(entries), sum(e.claimed for e in entries),
+                                    sum(e.waiters for e in entries),
+                                    sum(len(e.destinations) for e in entries), len(self._ended))
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        return (f"<Rendezvous {s.entries} entries, {s.claimed} claimed, {s.waiters} waiting, "
+                f"{s.destinations} destinations>")

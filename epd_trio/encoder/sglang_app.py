@@ -1,0 +1,183 @@
+"""The SGLang face (``--api sglang``): SGLang 0.5.23's encoder routes and bodies.
+
+An unmodified SGLang language server (``--language-only --encoder-urls …``)
+drives it exactly as it drives SGLang's own ``--encoder-only`` server:
+
+- ``POST /encode`` — SGLang's body; answers JSON ``null`` once every
+  destination has the part (zmq backends), or for mooncake the body without
+  ``mm_items`` plus ``embedding_size``/``embedding_len``/``embedding_dim`` as
+  soon as the sizes are known.
+- ``POST /scheduler_receive_url`` — one rank's PULL endpoint for one part
+  (zmq_to_scheduler), before or after its ``/encode``.
+- ``POST /scheduler_receive_meta_data`` and ``POST /send`` — SGLang's
+  Mooncake sequence: sizes (waiting until known), then one write per rank.
+- ``/health`` and ``/health_generate`` (GET), ``/start_profile`` and
+  ``/stop_profile`` (GET and POST); ``/abort``, ``/model_info``, ``/stats``
+  and ``/metrics`` as the native face serves them.
+
+Errors are SGLang's shape, ``{"status": "error", "message", "req_id"}``, with
+the status from ``epd_trio.errors.http_status``. Thin like ``app.py``: bodies
+are parsed by ``epd_trio.protocol.sglang_requests``, work is the service's,
+the destinations and sizes table is the deliveries' rendezvous.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from epd_trio._http import json_response
+from epd_trio.encoder.app import DATA_PATHS, access_control, add_shared_routes
+from epd_trio.encoder.profiling import parse_profile_request
+from epd_trio.encoder.service import EncoderService
+from epd_trio.errors import EPDError, PayloadTooLargeError, error_body, http_status
+from epd_trio.protocol.requests import parse_json_body
+from epd_trio.protocol.sglang_requests import (
+    parse_meta_request,
+    parse_receive_url,
+    parse_sglang_encode,
+    parse_sglang_send,
+)
+
+__all__ = ["create_sglang_app", "sglang_error"]
+
+log = logging.getLogger(__name__)
+
+SGLANG_DATA_PATHS = DATA_PATHS | {"/scheduler_receive_url", "/scheduler_receive_meta_data"}
+# SGLang's ProfileReq fields this encoder reads; the others (activities, ...) are ignored.
+_PROFILE_FIELDS = ("output_dir", "num_steps")
+
+
+def sglang_error(exc: BaseException, req_id: object = None) -> Response:
+    """SGLang's error body; the message is the same safe text as ours (never a traceback)."""
+    message = error_body(exc)["error"]["message"]  # type: ignore[index]
+    return json_response({"status": "error", "message": message,
+                          "req_id": req_id if isinstance(req_id, str) else None}, http_status(exc))
+
+
+async def _body() -> dict[str, Any]:
+    raw = await request.get_data(cache=False)
+    return parse_json_body(raw) if raw.strip() not in (b"", b"null") else {}
+
+
+def create_sglang_app(service: EncoderService) -> QuartTrio:
+    """One app per service: no module-level state."""
+    app = QuartTrio(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = service.config.max_body_bytes
+    app.config["BODY_TIMEOUT"] = service.config.request_timeout
+    access_control(app, service.config, SGLANG_DATA_PATHS)
+    _encode_routes(app, service)
+    _mooncake_routes(app, service)
+    _operation_routes(app, service)
+    add_shared_routes(app, service)
+    _error_handlers(app)
+    return app
+
+
+def _encode_routes(app: QuartTrio, service: EncoderService) -> None:
+    config = service.config
+
+    @app.post("/encode")
+    async def encode() -> Response:
+        body: dict[str, Any] = {}
+        try:
+            body = await _body()
+            req = parse_sglang_encode(body, backend=config.encoder_transfer_backend,
+                                      max_items=config.max_items)
+        except EPDError as exc:
+            service.metrics.request("unknown", exc)
+            return sglang_error(exc, body.get("req_id"))
+        try:
+            answer = await service.encode(req)
+        except EPDError as exc:
+            return sglang_error(exc, req.req_id)
+        if answer.nbytes is None:
+            return json_response(None)  # every destination has the part
+        echo = {k: v for k, v in body.items() if k not in ("mm_items", "time_stats_json")}
+        return json_response({**echo, "embedding_size": answer.nbytes,
+                              "embedding_len": answer.meta.tokens, "embedding_dim": answer.meta.dim})
+
+    @app.post("/scheduler_receive_url")
+    async def scheduler_receive_url() -> Response:
+        body = await _body()
+        try:
+            reg = parse_receive_url(body)
+            await service.deliveries.rendezvous.register(
+                reg.req_id, reg.receive_count, reg.receive_url, timeout=config.request_timeout)
+        except EPDError as exc:
+            return sglang_error(exc, body.get("req_id"))
+        return json_response(None)
+
+
+def _mooncake_routes(app: QuartTrio, service: EncoderService) -> None:
+    config = service.config
+
+    @app.post("/scheduler_receive_meta_data")
+    async def scheduler_receive_meta_data() -> Response:
+        body = await _body()
+        try:
+            req_id, part_idx = parse_meta_request(body)
+            sizes = await service.deliveries.rendezvous.wait_sizes(req_id, timeout=config.request_timeout)
+        except EPDError as exc:
+            return sglang_error(exc, body.get("req_id"))
+        return json_response({"req_id": req_id, "part_idx": part_idx, **sizes})
+
+    @app.post("/send")
+    async def send() -> Response:
+        body = await _body()
+        try:
+            order = parse_sglang_send(body)
+            await service.send(order.req_id, order.part_idx, session=order.session,
+                               address=order.buffer_address, length=order.length,
+                               completion=order.completion, receive_count=order.receive_count)
+        except EPDError as exc:
+            return sglang_error(exc, body.get("req_id"))
+        return json_response(None)
+
+
+def _operation_routes(app: QuartTrio, service: EncoderService) -> None:
+    @app.get("/health")
+    @app.get("/health_generate")
+    async def health() -> Response:
+        report = await service.check_health()
+        return json_response({"status": report.status, "probed": report.probed,
+                              "detail": report.detail}, 200 if report.healthy else 503)
+
+    @app.route("/start_profile", methods=["GET", "POST"])
+    async def start_profile() -> Response:
+        body = await _body()
+        output_dir, num_steps = parse_profile_request({k: body[k] for k in _PROFILE_FIELDS
+                                                       if body.get(k) is not None})
+        target = service.profiler.start(output_dir, num_steps)
+        return Response(f"Start profiling. output_dir={target}\n", status=200, mimetype="text/plain")
+
+    @app.route("/stop_profile", methods=["GET", "POST"])
+    async def stop_profile() -> Response:
+        trace = await service.profiler.stop()
+        return Response(f"Stop profiling. trace={trace}\n", status=200, mimetype="text/plain")
+
+
+def _error_handlers(app: QuartTrio) -> None:
+    """Ours, Quart's (404, 405, 413) and bugs, all in SGLang's error shape."""
+
+    @app.errorhandler(EPDError)
+    async def epd_error(exc: EPDError) -> Response:
+        return sglang_error(exc)
+
+    @app.errorhandler(HTTPException)
+    async def http_error(exc: HTTPException) -> Response:
+        if exc.code == 413:  # refused unread: the connection cannot carry another request
+            response = sglang_error(PayloadTooLargeError("request body is over the size limit"))
+            response.headers["Connection"] = "close"
+            return response
+        return json_response({"status": "error", "message": exc.description or exc.name,
+                              "req_id": None}, exc.code or 500)
+
+    @app.errorhandler(Exception)
+    async def bug(exc: Exception) -> Response:
+        log.exception("unhandled error in an SGLang-face handler")
+        return sglang_error(exc)

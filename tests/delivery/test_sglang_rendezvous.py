@@ -1,0 +1,108 @@
+"""The SGLang rendezvous table on its own, under a MockClock: every wait bounded, nothing left."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from epd_trio.delivery.sglang_rendezvous import Rendezvous, RendezvousStatistics
+from epd_trio.errors import ConflictError, DeadlineExceeded, EncodeError, RequestError, UnknownRequestError
+
+EMPTY = RendezvousStatistics(0, 0, 0, 0, 0)
+
+
+@pytest.fixture
+def clock() -> trio.testing.MockClock:
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+async def test_registrations_before_and_after_the_claim(clock: trio.testing.MockClock) -> None:
+    table = Rendezvous()
+    returned: list[tuple[str, float]] = []
+
+    async def register(url: str) -> None:
+        await table.register("r_local_part_0", 2, url, timeout=10)
+        returned.append((url, trio.current_time()))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(register, "h:1")
+        await trio.sleep(3)
+        assert table.statistics() == RendezvousStatistics(1, 0, 1, 1, 0)
+        entry = table.claim("r_local_part_0")
+        await trio.testing.wait_all_tasks_blocked()
+        assert returned == [("h:1", 3.0)]
+        nursery.start_soon(register, "h:2")
+        nursery.start_soon(register, "h:2")  # a retry: destinations are a set
+    assert list(entry.destinations) == ["h:1", "h:2"] and entry.receive_count == 2
+    assert [t for _, t in returned] == [3.0, 3.0, 3.0]
+    table.release(entry)
+    assert table.statistics() == RendezvousStatistics(0, 0, 0, 0, 1)
+
+
+async def test_an_unclaimed_registration_is_withdrawn_at_its_deadline(clock: trio.testing.MockClock) -> None:
+    table = Rendezvous()
+    with pytest.raises(DeadlineExceeded):
+        await table.register("lonely", 1, "h:1", timeout=7.5)
+    assert trio.current_time() == 7.5 and table.statistics() == EMPTY
+
+
+async def test_a_cancelled_registration_leaves_nothing(clock: trio.testing.MockClock) -> None:
+    table = Rendezvous()
+    with trio.move_on_after(2):
+        await table.register("gone", 1, "h:1", timeout=100)
+    assert table.statistics() == EMPTY
+
+
+async def test_another_receive_count_is_a_400_and_a_second_claim_a_409(clock: trio.testing.MockClock) -> None:
+    table = Rendezvous()
+    entry = table.claim("r")
+    await table.register("r", 2, "h:1", timeout=1)
+    with pytest.raises(RequestError, match="receive_count 3"):
+        await table.register("r", 3, "h:2", timeout=1)
+    with pytest.raises(ConflictError):
+        table.claim("r")
+    table.release(entry)
+    assert table.statistics() == RendezvousStatistics(0, 0, 0, 0, 1)
+
+
+async def test_sizes_wait_until_published_or_failed_or_timed_out(clock: trio.testing.MockClock) -> None:
+    table = Rendezvous()
+    got: list[object] = []
+
+    async def wait(req_id: str) -> None:
+        try:
+            got.append((await table.wait_sizes(req_id, timeout=20), trio.current_time()))
+        except (DeadlineExceeded, EncodeError, UnknownRequestError) as exc:
+            got.append((type(exc).__name__, trio.current_time()))
+
+    async with trio.open_nursery() as nursery:
+        for req_id in ("sized", "failed", "never", "released"):
+            nursery.start_soon(wait, req_id)
+        await trio.sleep(1)
+        table.claim("sized").publish_sizes({"embedding_size": 8, "embedding_len": 2, "embedding_dim": 1})
+        await trio.sleep(1)
+        table.claim("failed").publish_error(EncodeError("boom"))
+        await trio.sleep(1)
+        table.release(table.claim("released"))
+    assert sorted(got, key=str) == sorted([
+        ({"embedding_size": 8, "embedding_len": 2, "embedding_dim": 1}, 1.0),
+        ("EncodeError", 2.0), ("UnknownRequestError", 3.0), ("DeadlineExceeded", 20.0)], key=str)
+    assert table.statistics() == RendezvousStatistics(2, 2, 0, 0, 1)  # sized and failed: still claimed
+
+
+async def test_late_callers_hear_how_the_part_ended_at_once(clock: trio.testing.MockClock) -> None:
+    table = Rendezvous(max_ended=2)
+    failed = table.claim("failed")
+    failed.publish_error(EncodeError("boom"))
+    table.release(failed)
+    table.release(table.claim("done"))
+    with pytest.raises(EncodeError, match="boom"):
+        await table.register("failed", 1, "h:1", timeout=50)
+    with pytest.raises(UnknownRequestError):
+        await table.wait_sizes("done", timeout=50)
+    assert trio.current_time() == 0 and table.statistics() == RendezvousStatistics(0, 0, 0, 0, 2)
+    table.release(table.claim("third"))  # the oldest ending is forgotten: the memory is bounded
+    assert table.statistics().ended == 2
+    with pytest.raises(DeadlineExceeded):
+        await table.register("failed", 1, "h:1", timeout=5)

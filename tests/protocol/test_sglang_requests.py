@@ -1,0 +1,91 @@
+"""SGLang's encoder bodies, parsed sans-IO: SGLang's own messages first, then ours."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import pytest
+
+from epd_trio.errors import RequestError
+from epd_trio.protocol.sglang_requests import (
+    parse_receive_url,
+    parse_sglang_encode,
+    parse_sglang_send,
+    sglang_validation_error,
+)
+
+PNG64 = base64.b64encode(b"\x89PNG\r\n\x1a\n" + bytes(40)).decode()
+
+
+def body(**over: Any) -> dict[str, Any]:
+    return {"req_id": "r_local_part_1", "modality": "IMAGE", "mm_items": ["http://h/x.png"],
+            "num_parts": 2, "part_idx": 1, "prefill_host": "10.0.0.1", "embedding_port": None,
+            "time_stats_json": "{}", "encoder_idx": 3, "encoder_url": "http://e", **over}
+
+
+@pytest.mark.parametrize(("over", "message"), [
+    ({"req_id": ""}, "missing or invalid req_id"),
+    ({"modality": 3}, "missing or invalid modality"),
+    ({"modality": "TEXT"}, "unsupported modality: TEXT"),
+    ({"mm_items": []}, "missing or empty mm_items"),
+    ({"num_parts": True}, "num_parts must be a positive integer"),
+    ({"part_idx": 2}, "part_idx must be in [0, 2)"),
+    ({"hashes": {"a": 1}}, "hashes must be list/scalar, got dict"),
+])
+def test_sglangs_own_checks_and_messages(over: dict[str, Any], message: str) -> None:
+    assert sglang_validation_error(body(**over)) == message
+    with pytest.raises(RequestError, match=message.replace("[", r"\[").replace(")", r"\)")):
+        parse_sglang_encode(body(**over), backend="zmq_to_scheduler", max_items=8)
+
+
+def test_items_become_what_the_engine_reads() -> None:
+    items = ["data:image/png;base64,AAAA", "https://h/a.png", "file:///srv/m/a%20b.png", PNG64,
+             "relative/a.png", {"url": PNG64, "content_hash": "sha256:" + "AB" * 32, "detail": "auto"}]
+    req = parse_sglang_encode(body(mm_items=items, modality="image"), backend="zmq_to_scheduler",
+                              max_items=8)
+    assert req.modality == "image" and (req.req_id, req.part_idx, req.num_parts) == ("r_local_part_1", 1, 2)
+    assert req.mm_items == [
+        "data:image/png;base64,AAAA", "https://h/a.png", "/srv/m/a b.png",
+        f"data:application/octet-stream;base64,{PNG64}", "relative/a.png",
+        {"url": f"data:application/octet-stream;base64,{PNG64}", "content_hash": "sha256:" + "ab" * 32}]
+    assert req.deliver.backend == "sglang_zmq" and req.deliver.endpoints == ()  # registered later
+
+
+def test_a_single_item_and_a_bad_hash() -> None:
+    req = parse_sglang_encode(body(mm_items="https://h/a.png"), backend="mooncake", max_items=1)
+    assert req.mm_items == ["https://h/a.png"] and req.deliver.backend == "sglang_mooncake"
+    with pytest.raises(RequestError, match="sha256:<64 hex digits>"):
+        parse_sglang_encode(body(mm_items=[{"url": "x", "content_hash": "md5:00"}]),
+                            backend="mooncake", max_items=1)
+    with pytest.raises(RequestError, match="at most 1"):
+        parse_sglang_encode(body(mm_items=["a", "b"]), backend="mooncake", max_items=1)
+
+
+@pytest.mark.parametrize(("host", "port", "endpoints"), [
+    ("10.0.0.1", 5000, ("10.0.0.1:5000",)),
+    ("::1", [5000, 5001, 5000], ("[::1]:5000", "[::1]:5001")),
+    ("[fe80::1]", 7, ("[fe80::1]:7",)),
+])
+def test_destinations_in_the_encode(host: str, port: Any, endpoints: tuple[str, ...]) -> None:
+    req = parse_sglang_encode(body(prefill_host=host, embedding_port=port),
+                              backend="zmq_to_tokenizer", max_items=8)
+    assert req.deliver.endpoints == endpoints and req.deliver.receive_count == len(endpoints)
+
+
+def test_zmq_to_tokenizer_needs_a_port() -> None:
+    with pytest.raises(RequestError, match="embedding_port"):
+        parse_sglang_encode(body(), backend="zmq_to_tokenizer", max_items=8)
+
+
+def test_receive_url_and_send_bodies() -> None:
+    reg = parse_receive_url({"req_id": "r", "receive_count": 2, "receive_url": "[::1]:9", "modality": "IMAGE"})
+    assert (reg.receive_count, reg.receive_url) == (2, "[::1]:9")
+    for bad in ({"receive_count": 0}, {"receive_url": "nohost"}, {"receive_url": "h:70000"}):
+        with pytest.raises(RequestError):
+            parse_receive_url({"req_id": "r", "receive_count": 1, "receive_url": "h:1", **bad})
+    send = parse_sglang_send({"req_id": "r", "part_idx": 0, "embedding_size": 64, "embedding_len": 4,
+                              "embedding_dim": 4, "prefill_host": "::1", "embedding_port": 5,
+                              "session_id": "10.0.0.2:12001", "buffer_address": 4096, "receive_count": 2})
+    assert (send.session, send.buffer_address, send.length, send.completion, send.receive_count) == (
+        "10.0.0.2:12001", 4096, 64, "[::1]:5", 2)
