@@ -27,7 +27,11 @@ DRIVER_START = 300.0  # seconds for the driver to import SGLang and answer, on a
 
 
 class Observed(httpx.AsyncBaseTransport):
-    """The real transport, telling the test each time an answer came back (no polling)."""
+    """The real transport, telling the test each time a whole answer came back (no polling).
+
+    The body is read here, before the test hears of it: otherwise the caller could still
+    be waiting on the socket for it when the test's ``wait_all_tasks_blocked`` returns.
+    """
 
     def __init__(self) -> None:
         self._inner = httpx.AsyncHTTPTransport()
@@ -35,6 +39,7 @@ class Observed(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         response = await self._inner.handle_async_request(request)
+        await response.aread()
         await self.send.send((request.method, response.status_code))
         return response
 
