@@ -35,6 +35,7 @@ import trio
 from epd_trio.config import EngineConfig
 from epd_trio.engine.cache import CacheStatistics, EmbeddingCache, content_digest
 from epd_trio.engine.plan import CachePlan, EncodeAll, EncodeOutput, EncodePlan, given_names
+from epd_trio.engine.threads import available_cores, thread_budget, with_torch_threads
 from epd_trio.errors import RequestError
 from epd_trio.model.adapters import PreprocessResult
 from epd_trio.model.loader import LoadedEncoder, load_encoders
@@ -139,7 +140,11 @@ class Engine:
         self.admission: AdmissionGate = admission
         # Told of stages and batches (metrics, profiler); shared with every scheduler.
         self.observers: list[Observer] = []
-        self.workers = tuple(EncoderWorker(e, compile=config.compile) for e in (encoder, *replicas))
+        self.thread_budget = thread_budget(config.devices, available_cores(),
+                                           cpu_threads=config.cpu_threads,
+                                           preprocess_threads=config.preprocess_threads)
+        self.workers = tuple(EncoderWorker(e, compile=config.compile, threads=self.thread_budget.forward)
+                             for e in (encoder, *replicas))
         self.schedulers = tuple(
             Scheduler(w.forward, policy, max_pending=config.max_pending, admission=admission,
                       index=i, observers=self.observers)
@@ -234,7 +239,8 @@ class Engine:
 
     async def _preprocess_in_thread(self, loaded: Sequence[Any], modality: str,
                                     indices: Sequence[int] | None) -> PreprocessResult:
-        return await self.run_sync(self.preprocessor.preprocess, loaded, modality, indices,
+        return await self.run_sync(with_torch_threads, self.thread_budget.preprocess,
+                                   self.preprocessor.preprocess, loaded, modality, indices,
                                    limiter=self._preprocess_limiter)
 
     # ---- the plan: which items need a forward (the embedding cache) -------
@@ -323,6 +329,8 @@ async def open_engine(config: EngineConfig | None = None, **overrides: Any) -> A
     )
     async with media_http_client() as http, trio.open_nursery() as nursery:
         engine = Engine(config, encoder, MediaLoader(limits, http), replicas)
+        log.info("engine on %s, %s", config.device,
+                 engine.thread_budget.describe(config.preprocess_workers))
         for scheduler in engine.schedulers:
             await nursery.start(scheduler.run)
         try:
