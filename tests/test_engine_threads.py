@@ -46,18 +46,24 @@ def test_preprocess_threads_are_overridable_and_checked() -> None:
 
 
 def test_a_count_is_the_calling_threads_own() -> None:
-    """One thread's budget does not change another running thread's."""
+    """One thread's budget does not change another running thread's, nor later threads'."""
     main = torch.get_num_threads()
     seen: list[int] = []
 
     def job() -> None:
         seen.append(with_torch_threads(1, torch.get_num_threads))
+        seen.append(torch.get_num_threads())  # the thread's own count is back
 
-    worker = threading.Thread(target=job)
-    worker.start()
-    worker.join()
+    torch.set_num_threads(2)
     try:
-        assert seen == [1] and torch.get_num_threads() == main
+        worker = threading.Thread(target=job)
+        worker.start()
+        worker.join()
+        later = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        later.start()
+        later.join()
+        # a thread started later is not left at the preprocessing count
+        assert seen == [1, 2, 2] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(main)  # new threads default to the last count set anywhere
 

@@ -216,6 +216,10 @@ async def run_engine(model_dir: Path, images: list[Any], concurrency: int, max_b
 
     overrides: dict[str, Any] = {"preprocess_workers": args.preprocess_workers} \
         if args.preprocess_workers else {}
+    if args.torch_threads:  # the forward's threads, as the bare loop's
+        overrides["cpu_threads"] = args.torch_threads
+    if args.preprocess_threads:
+        overrides["preprocess_threads"] = args.preprocess_threads
     async with open_engine(model_path=str(model_dir), device=args.device, dtype=args.dtype,
                            max_batch_size=max_batch, coalesce_delay=args.coalesce_delay,
                            **overrides) as engine:
@@ -263,12 +267,17 @@ def _bare_forward(visual: Any, processed: list[Any]) -> Any:
     return embeds.cpu(), grid_thw  # on CUDA: waits for the device, as the engine's copy out does
 
 
-def run_bare(visual: Any, processor: Any, images: list[Any], batch_sizes: list[int]) -> BareRun:
+def run_bare(visual: Any, processor: Any, images: list[Any], batch_sizes: list[int],
+             torch_threads: int | None = None) -> BareRun:
     """Preprocess, then forward, consecutive groups of ``batch_sizes`` images in turn."""
     import torch
 
     if sum(batch_sizes) != len(images):
         raise ValueError(f"batch sizes {batch_sizes} do not add up to {len(images)} images")
+    from epd_trio.engine.threads import available_cores
+
+    # Explicit: a fresh thread starts with the last count set anywhere (the engine's jobs set theirs).
+    torch.set_num_threads(torch_threads or available_cores())
     pre = fwd = 0.0
     cpu = cpu_time()
     outputs: list[Any] = []
@@ -391,7 +400,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     p.add_argument("--sizes", type=int, nargs="+", default=None,
                    help="side lengths to draw from (default: 224..448 step 56 quick, 448 full)")
-    p.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="torch threads of the bare loop and of the engine's forward "
+                   "(EngineConfig.cpu_threads; default: the cores this process may use)")
+    p.add_argument("--preprocess-threads", type=int, default=None,
+                   help="EngineConfig.preprocess_threads (default: the engine's, 1)")
     p.add_argument("--preprocess-workers", type=int, default=None,
                    help="EngineConfig.preprocess_workers (default: the engine's)")
     p.add_argument("--bare-in-main-thread", action="store_true",
@@ -436,8 +449,8 @@ def measure(c: int, model_dir: Path, bare: tuple[Any, Any], images: list[Any],
 
     def bare_run(sizes: list[int]) -> BareRun:
         if args.bare_in_main_thread:
-            return run_bare(*bare, images, sizes)
-        return in_worker_thread(run_bare, *bare, images, sizes)
+            return run_bare(*bare, images, sizes, args.torch_threads)
+        return in_worker_thread(run_bare, *bare, images, sizes, args.torch_threads)
 
     max_bs = args.max_batch_size or c
     engines: list[EngineRun] = []

@@ -13,10 +13,12 @@ forward ~10 % slower than alone). So the budget is explicit:
   default: the processor's tensor ops on one image are small, and one thread
   starts no OpenMP team at all).
 
-``torch.set_num_threads`` is per calling thread for OpenMP and MKL (it also
-becomes the default of threads that have not used torch yet), so each job
-sets its own count on entry: trio's thread cache hands the same thread to a
-forward and to preprocessing in turn. The OpenMP *waiting* policy cannot be
+``torch.set_num_threads`` is per calling thread for OpenMP and MKL, so each
+job sets its own count on entry: trio's thread cache hands the same thread to
+a forward and to preprocessing in turn. It also becomes the default of
+threads that have not used torch yet, so a preprocessing job puts the
+thread's previous count back when it ends (threads the host application
+starts later are not left at 1). The OpenMP *waiting* policy cannot be
 changed once torch is loaded: set ``OMP_WAIT_POLICY=PASSIVE`` in the
 environment (README, "Threads").
 """
@@ -79,6 +81,13 @@ def use_torch_threads(n: int | None) -> None:
 
 
 def with_torch_threads(n: int | None, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
-    """``fn(*args, **kwargs)`` in the calling thread with ``n`` torch threads (for ``to_thread``)."""
+    """``fn(*args, **kwargs)`` in the calling thread with ``n`` torch threads (for ``to_thread``);
+    the thread's previous count is put back afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
     use_torch_threads(n)
-    return fn(*args, **kwargs)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        use_torch_threads(before)

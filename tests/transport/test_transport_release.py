@@ -85,3 +85,18 @@ async def test_a_send_within_the_budget_returns_before_the_peer_reads() -> None:
     for (tensor, _), (header, payload) in zip(sent, got):
         assert payload is not None and torch.equal(payload.tensor().view(torch.int16),
                                                    tensor.view(torch.int16))
+
+
+async def test_a_socket_with_unreleased_messages_is_not_evicted() -> None:
+    """Closing it would drop what libzmq still holds after its linger: it stays while busy."""
+    async with PullReceiver(rcvhwm=1) as stalled, PullReceiver() as other:
+        sent = [frames_of(16, name) for name in "abc"]
+        async with PushSocketCache(max_sockets=1, release_budget=64 * MiB) as cache:
+            with trio.fail_after(20):
+                for _, frames in sent:
+                    await cache.send(stalled.last_endpoint, frames, 20.0)
+                await cache.send(other.last_endpoint, [b"not a header"], 5.0)
+                stats = cache.statistics()
+                got = [await stalled.receive() for _ in sent]
+    assert (stats.open_sockets, stats.evicted) == (2, 0)  # overfilled rather than evicted
+    assert [header.req_id for header, _ in got] == ["a", "b", "c"]
