@@ -79,6 +79,7 @@ class PushCacheStatistics:
     send_timeouts: int
     idle_closed: int
     evicted: int
+    unreleased_bytes: int = 0  # sent, answered, and not yet let go of by libzmq (all sockets)
 
 
 @dataclass
@@ -159,6 +160,7 @@ class PushSocketCache:
         return PushCacheStatistics(
             open_sockets=len(self._entries), busy_sockets=busy, max_sockets=self._max,
             **self._counts,
+            unreleased_bytes=sum(e.sock.unreleased_bytes for e in self._entries.values()),
         )
 
     def __repr__(self) -> str:

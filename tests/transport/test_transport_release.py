@@ -99,4 +99,5 @@ async def test_a_socket_with_unreleased_messages_is_not_evicted() -> None:
                 stats = cache.statistics()
                 got = [await stalled.receive() for _ in sent]
     assert (stats.open_sockets, stats.evicted) == (2, 0)  # overfilled rather than evicted
+    assert 0 < stats.unreleased_bytes <= 64 * MiB
     assert [header.req_id for header, _ in got] == ["a", "b", "c"]
