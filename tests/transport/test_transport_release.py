@@ -10,7 +10,8 @@ import trio
 
 from epd_trio.protocol import encode_zmq_message, header_for
 from epd_trio.transport import PullReceiver, PushSocketCache
-from epd_trio.transport._zmq_socket import ReleaseLedger
+from epd_trio.transport._poll import SPIN
+from epd_trio.transport._zmq_socket import ReleaseLedger, tracker_spin
 
 MiB = 1 << 20
 
@@ -101,3 +102,8 @@ async def test_a_socket_with_unreleased_messages_is_not_evicted() -> None:
     assert (stats.open_sockets, stats.evicted) == (2, 0)  # overfilled rather than evicted
     assert 0 < stats.unreleased_bytes <= 64 * MiB
     assert [header.req_id for header, _ in got] == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize(("cores", "spin"), [(1, 0.0), (2, 0.0), (3, 0.0), (4, SPIN), (64, SPIN)])
+def test_a_watched_send_spins_only_with_cores_to_spare(cores: int, spin: float) -> None:
+    assert tracker_spin(cores) == spin
