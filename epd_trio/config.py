@@ -56,6 +56,11 @@ class EngineConfig:
     dtype: str = _opt("auto", "auto (the checkpoint's), float32, bfloat16 or float16")
     compile: bool = _opt(False, "torch.compile the encoder's forward (dynamic shapes; the first "
                          "batches of each new size are slow while it compiles)")
+    cpu_threads: int = _opt(0, "torch intra-op threads of each forward on a CPU device (0 = the "
+                            "cores this process may use, shared among the CPU workers); "
+                            "ignored on GPUs")
+    preprocess_threads: int = _opt(1, "torch intra-op threads of each preprocessing worker (1: "
+                                   "no OpenMP team of its own competing with the forward)")
     max_batch_size: int = _opt(8, "most requests in one forward")
     max_batch_tokens: int = _opt(65536, "most output tokens in one forward (the oldest request always runs)")
     coalesce_delay: float = _opt(0.0, "seconds a non-full batch waits for company (0 = never)")
@@ -117,8 +122,8 @@ class EngineConfig:
                      "max_video_pixels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.cache_mb < 0:
-            raise ValueError(f"cache_mb must be >= 0, got {self.cache_mb}")
+        if self.cache_mb < 0 or self.cpu_threads < 0 or self.preprocess_threads < 1:
+            raise ValueError("cache_mb and cpu_threads must be >= 0, preprocess_threads >= 1")
         if any(not d.strip() for d in self.device.split(",")):
             raise ValueError(f"device must be one device or a comma-separated list, got {self.device!r}")
         if self.coalesce_delay < 0 or self.fetch_timeout <= 0:

@@ -37,6 +37,7 @@ from epd_trio.engine.cache import CacheStatistics, EmbeddingCache, content_diges
 from epd_trio.engine.cpu import StageCpu
 from epd_trio.engine.plan import CachePlan, EncodeAll, EncodeOutput, EncodePlan, given_names
 from epd_trio.engine.preprocess_pool import PoolSpec, PreprocessPool, open_preprocess_pool
+from epd_trio.engine.threads import available_cores, thread_budget, with_torch_threads
 from epd_trio.errors import RequestError
 from epd_trio.model.adapters import PreprocessResult
 from epd_trio.model.loader import LoadedEncoder, load_encoders
@@ -144,8 +145,12 @@ class Engine:
         self.observers: list[Observer] = []
         # CPU seconds of the stages run in threads, each measured in its own thread.
         self.cpu = StageCpu()
+        self.thread_budget = thread_budget(config.devices, available_cores(),
+                                           cpu_threads=config.cpu_threads,
+                                           preprocess_threads=config.preprocess_threads)
         worker_class = NullForwardWorker if config.null_forward else EncoderWorker
-        self.workers = tuple(worker_class(e, compile=config.compile) for e in (encoder, *replicas))
+        self.workers = tuple(worker_class(e, compile=config.compile, threads=self.thread_budget.forward)
+                             for e in (encoder, *replicas))
         self.schedulers = tuple(
             Scheduler(self.cpu.timed("forward", w.forward), policy, max_pending=config.max_pending, admission=admission,
                       index=i, observers=self.observers)
@@ -242,7 +247,8 @@ class Engine:
 
     async def _preprocess_in_thread(self, loaded: Sequence[Any], modality: str,
                                     indices: Sequence[int] | None) -> PreprocessResult:
-        return await self.run_sync(self.cpu.timed("preprocess", self.preprocessor.preprocess),
+        return await self.run_sync(self.cpu.timed("preprocess", with_torch_threads),
+                                   self.thread_budget.preprocess, self.preprocessor.preprocess,
                                    loaded, modality, indices, limiter=self._preprocess_limiter)
 
     # ---- the plan: which items need a forward (the embedding cache) -------
@@ -336,6 +342,8 @@ async def open_engine(config: EngineConfig | None = None, **overrides: Any) -> A
         if pool is not None:
             engine.preprocess_pool = pool
             engine.preprocess_step = pool.preprocess
+        log.info("engine on %s, %s", config.device,
+                 engine.thread_budget.describe(config.preprocess_workers))
         for scheduler in engine.schedulers:
             await nursery.start(scheduler.run)
         try:

@@ -46,11 +46,17 @@ class EncoderWorker:
     each new shape are slow while it compiles.
     """
 
-    def __init__(self, encoder: LoadedEncoder, *, compile: bool = False) -> None:
+    def __init__(self, encoder: LoadedEncoder, *, compile: bool = False,
+                 threads: int | None = None) -> None:
         import torch
 
         self.encoder = encoder
         self.device = torch.device(encoder.device)
+        # torch intra-op threads of each forward (None: leave the thread's own);
+        # the engine's CPU budget (``engine/threads.py``) chooses it.
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.threads = threads
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         if self._cuda:
@@ -77,6 +83,8 @@ class EncoderWorker:
         started = time.perf_counter()
         self._running_since = started
         try:
+            if self.threads is not None and torch.get_num_threads() != self.threads:
+                torch.set_num_threads(self.threads)  # this thread's own count (OpenMP, MKL)
             host = self._run(payloads)
             sizes = [p.tokens for p in payloads]
             if host.shape[0] != sum(sizes):

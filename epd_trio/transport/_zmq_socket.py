@@ -8,19 +8,80 @@ sleep forever with data already queued).
 
 from __future__ import annotations
 
+import collections
+import os
 from collections.abc import Sequence
-from typing import Final, cast
+from typing import Final, Protocol, cast
 
 import trio
 import zmq
 
 from epd_trio.errors import TransferTimeout
 from epd_trio.protocol.codec import FrameLike
-from epd_trio.transport._poll import poll_until
+from epd_trio.transport._poll import SPIN, poll_until
 
-__all__ = ["TrioSocket"]
+__all__ = ["ReleaseLedger", "TrioSocket", "tracker_spin"]
 
 _TRACKER_POLL_MAX: Final = 0.005  # seconds; a 64 MiB frame takes ~40 ms on loopback
+# Below this many usable cores a watched send does not spin: the spinning trio thread would
+# take a core from the two libzmq I/O threads moving the bytes (measured on 2 cores, loaded:
+# 16 MiB went at 0.39 x the raw socket with the spin, 0.81 without).
+SPIN_MIN_CORES: Final = 4
+
+
+def tracker_spin(cores: int) -> float:
+    """Seconds a watched send looks at every scheduler pass (``poll_until``'s ``spin``)."""
+    return SPIN if cores >= SPIN_MIN_CORES else 0.0
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
+class _Tracker(Protocol):
+    @property
+    def done(self) -> bool: ...
+
+
+class ReleaseLedger:
+    """Sans-IO: which sent messages libzmq may still read, and whether one more may go unwatched.
+
+    Watching a zero-copy send until libzmq lets go of its buffers takes a
+    poll (pyzmq tells only through a tracker), and a poll that looks often
+    spins the trio thread: on a few cores that takes a core from the libzmq
+    I/O threads that move the bytes, so a 1 MiB message went at ~0.3 x a raw
+    socket (``tools/bench_transfer.py``). pyzmq keeps every zero-copy buffer
+    alive until it is released anyway, so a small message need not be
+    watched; the watched ones are those that would take the unreleased bytes
+    over ``budget``, which bounds the memory that answered sends still hold.
+    """
+
+    def __init__(self, budget: int) -> None:
+        if budget < 0:
+            raise ValueError(f"budget must be >= 0, got {budget}")
+        self.budget = budget
+        self._pending: collections.deque[tuple[_Tracker, int]] = collections.deque()
+        self._bytes = 0
+
+    @property
+    def unreleased_bytes(self) -> int:
+        """Bytes of unwatched messages not yet known released (released ones are forgotten)."""
+        while self._pending and self._pending[0][0].done:  # libzmq frees in send order
+            self._bytes -= self._pending.popleft()[1]
+        return self._bytes
+
+    def leave_unwatched(self, tracker: _Tracker, nbytes: int) -> bool:
+        """True: the sender may return now (the message is counted until released)."""
+        if tracker.done:
+            return True
+        if self.unreleased_bytes + nbytes > self.budget:
+            return False
+        self._pending.append((tracker, nbytes))
+        self._bytes += nbytes
+        return True
 
 
 class TrioSocket:
@@ -32,8 +93,11 @@ class TrioSocket:
     and sees a state that some sleeper wants wakes them all.
     """
 
-    def __init__(self, sock: zmq.Socket[bytes]) -> None:
+    def __init__(self, sock: zmq.Socket[bytes], *, release_budget: int = 0,
+                 spin: float | None = None) -> None:
         self.socket = sock
+        self._released = ReleaseLedger(release_budget)
+        self._spin = tracker_spin(usable_cores()) if spin is None else spin
         self._fd = sock.fileno()
         self._send_lock = trio.Lock()  # FIFO among senders; a message is atomic anyway
         self._recv_lock = trio.Lock()
@@ -46,18 +110,29 @@ class TrioSocket:
     def closed(self) -> bool:
         return self._closed
 
-    async def send_multipart(self, frames: Sequence[FrameLike], *, timeout: float) -> None:
-        """Send one message; return once zmq no longer reads the frames' buffers.
+    @property
+    def unreleased_bytes(self) -> int:
+        """Bytes of sent messages whose buffers libzmq may still read (see ``send_multipart``)."""
+        return self._released.unreleased_bytes
 
-        Frames of 64 KiB and more go zero-copy, so they must stay unchanged until
-        this returns. ``TransferTimeout`` when ``timeout`` passes first (a
-        message already accepted may still be delivered later).
+    async def send_multipart(self, frames: Sequence[FrameLike], *, timeout: float) -> None:
+        """Send one message; return once zmq no longer reads the frames' buffers,
+        or at once while this socket's unreleased messages stay within ``release_budget``.
+
+        Frames of 64 KiB and more go zero-copy: they must never change after
+        sending (pyzmq keeps them alive until libzmq releases them; see
+        ``ReleaseLedger`` for why small messages are not watched).
+        ``TransferTimeout`` when ``timeout`` passes first (a message already
+        accepted may still be delivered later).
         """
         if not frames:
             raise ValueError("a ZMQ message has at least one frame")
+        nbytes = sum(memoryview(f).nbytes for f in frames)
         with trio.move_on_after(timeout):
             tracker = await self._send_nowait_loop(frames)
-            await poll_until(lambda: tracker.done, max_pause=_TRACKER_POLL_MAX)
+            if not self._released.leave_unwatched(tracker, nbytes):
+                await poll_until(lambda: tracker.done, max_pause=_TRACKER_POLL_MAX,
+                                 spin=self._spin)
             return
         raise TransferTimeout(f"ZMQ send not done within {timeout:g} s")
 

@@ -38,6 +38,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 TERM_GRACE = 2.0  # seconds past the linger that closing waits for libzmq to let go
+# Bytes per PUSH socket that a send may leave unreleased and return (``ReleaseLedger``):
+# messages of up to a few MiB (one image's embedding) then cost no completion poll.
+RELEASE_BUDGET = 8 << 20
 
 
 async def terminate(ctx: zmq.Context[zmq.Socket[bytes]], linger_ms: int) -> None:
@@ -76,6 +79,7 @@ class PushCacheStatistics:
     send_timeouts: int
     idle_closed: int
     evicted: int
+    unreleased_bytes: int = 0  # sent, answered, and not yet let go of by libzmq (all sockets)
 
 
 @dataclass
@@ -92,6 +96,9 @@ class PushSocketCache:
     idle for ``idle_close`` seconds are closed by a task in the cache's own
     nursery. ``IMMEDIATE`` makes a send to a destination nobody listens on
     wait (and time out) instead of queueing for a peer that may never come.
+    A send returns without waiting for libzmq to release its zero-copy
+    buffers while that socket's unreleased bytes stay within ``release_budget``
+    (``ReleaseLedger``); a larger message waits as before.
     """
 
     def __init__(
@@ -101,9 +108,11 @@ class PushSocketCache:
         idle_close: float = 300.0,
         sndhwm: int = 64,  # messages, each up to hundreds of MB: bound the memory
         linger_ms: int = 500,
+        release_budget: int = RELEASE_BUDGET,
     ) -> None:
-        if max_sockets < 1 or idle_close <= 0:
-            raise ValueError("max_sockets must be >= 1 and idle_close > 0")
+        if max_sockets < 1 or idle_close <= 0 or release_budget < 0:
+            raise ValueError("max_sockets must be >= 1, idle_close > 0 and release_budget >= 0")
+        self._release_budget = release_budget
         self._max, self._idle_close = max_sockets, idle_close
         self._options = {zmq.IMMEDIATE: 1, zmq.LINGER: linger_ms, zmq.SNDHWM: sndhwm}
         self._linger_ms = linger_ms
@@ -151,6 +160,7 @@ class PushSocketCache:
         return PushCacheStatistics(
             open_sockets=len(self._entries), busy_sockets=busy, max_sockets=self._max,
             **self._counts,
+            unreleased_bytes=sum(e.sock.unreleased_bytes for e in self._entries.values()),
         )
 
     def __repr__(self) -> str:
@@ -181,11 +191,13 @@ class PushSocketCache:
         except zmq.ZMQError as exc:
             sock.close(linger=0)
             raise RequestError(f"cannot connect to {endpoint}: {exc}") from None
-        return TrioSocket(sock)
+        return TrioSocket(sock, release_budget=self._release_budget)
 
     def _evict_for_one_more(self) -> None:
-        """Close least-recently-used idle sockets; busy ones may overfill briefly."""
-        idle = [ep for ep, e in self._entries.items() if not e.busy]
+        """Close least-recently-used idle sockets; busy ones (sending, or with messages
+        not yet released) may overfill briefly."""
+        idle = [ep for ep, e in self._entries.items()
+                if not e.busy and not e.sock.unreleased_bytes]
         for endpoint in idle[: max(0, len(self._entries) - self._max + 1)]:
             self._entries.pop(endpoint).sock.close(self._linger_ms)
             self._counts["evicted"] += 1

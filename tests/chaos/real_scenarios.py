@@ -38,6 +38,7 @@ import trio
 from epd_trio.client import RemoteEncodeError, open_encoder_client
 from epd_trio.errors import EncodeTimeout, EPDError, PeerUnavailable
 from epd_trio.testing import quiescence_problems
+from epd_trio.transport.zmq import RELEASE_BUDGET
 from real_calls import ScenarioReport, client_call, http_encode, req_id_for
 from real_world import SLACK, MessageSink, StuckReceiver, World, check_inline, encoder_stats, settle
 
@@ -269,7 +270,9 @@ def _is_peer_failure(exc: EPDError) -> bool:
 
 
 # ---- stuck_receiver ------------------------------------------------------------------------------------
-_STUCK_MAX_POSTS = 60  # ~10 MB of embeddings: far past what loopback buffers hold
+# ~10 MB of embeddings, far past what loopback buffers hold, plus the sends the encoder's ZMQ
+# cache leaves unwatched to one socket (RELEASE_BUDGET; a post is at least ~200 KB).
+_STUCK_MAX_POSTS = 60 + RELEASE_BUDGET // (200 << 10)
 
 
 async def stuck_receiver(world: World, rng: random.Random, report: ScenarioReport) -> None:

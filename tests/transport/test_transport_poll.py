@@ -46,3 +46,16 @@ async def test_it_is_cancellable(autojump_clock: trio.testing.MockClock) -> None
     with trio.move_on_after(3) as scope:
         await poll_until(lambda: False, max_pause=0.5)
     assert scope.cancelled_caught and trio.current_time() == 3
+
+
+async def test_without_spin_the_pauses_start_at_once(autojump_clock: trio.testing.MockClock) -> None:
+    """spin=0 (a watched ZMQ send on few cores): no look at every pass, the trio thread sleeps."""
+    looks: list[float] = []
+
+    def done() -> bool:
+        looks.append(trio.current_time())
+        return trio.current_time() >= 1.0
+
+    await poll_until(done, max_pause=1.0, spin=0)
+    assert len(set(looks)) == len(looks)  # time passed between every two looks
+    assert trio.current_time() <= 1.0 * (1 + 1 / LATE) + 1e-6
