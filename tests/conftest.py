@@ -117,3 +117,33 @@ async def listening_url(proc: subprocess.Popen[str]) -> str:
         line = await trio.to_thread.run_sync(proc.stdout.readline)  # type: ignore[union-attr]
     assert "listening on http://" in line, line + proc.stderr.read()  # type: ignore[union-attr]
     return line.rsplit(" ", 1)[1].strip()
+
+
+# ---- transformers' own audio path, the reference audio embeddings are checked against ----
+def audio_reference(path: str, waves: list[Any], rate: int) -> tuple[Any, list[int], list[int]]:
+    """Qwen2-Audio rows of the LM's input embeddings, the processor's token counts and the
+    mel-frame length of each wave (what SGLang calls the audio grid)."""
+    import torch
+    import transformers
+
+    model = transformers.Qwen2AudioForConditionalGeneration.from_pretrained(path).eval()
+    extractor = transformers.AutoFeatureExtractor.from_pretrained(path)
+    # As Qwen2AudioProcessor._process_audio: padded to the window, with the mask.
+    feats = extractor(waves, sampling_rate=rate, return_attention_mask=True, padding="max_length",
+                      return_tensors="pt")
+    lengths = feats["attention_mask"].sum(-1).tolist()
+    counts = [(((n - 1) // 2 + 1) - 2) // 2 + 1 for n in lengths]  # the processor's own line
+    ids = torch.full((1, sum(counts)), model.config.audio_token_id)
+    captured: dict[str, Any] = {}
+
+    def grab(module: Any, args: Any, kwargs: Any) -> None:
+        captured["embeds"] = kwargs["inputs_embeds"]
+
+    hook = model.model.language_model.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.inference_mode():
+            model(input_ids=ids, input_features=feats["input_features"],
+                  feature_attention_mask=feats["attention_mask"])
+    finally:
+        hook.remove()
+    return captured["embeds"][0], counts, lengths

@@ -16,6 +16,7 @@ import soundfile
 import torch
 import transformers
 import trio
+from conftest import audio_reference
 
 from epd_trio import open_engine
 from epd_trio.errors import PayloadTooLargeError, RequestError
@@ -45,27 +46,8 @@ def noise(seconds: float, seed: int) -> np.ndarray:
 
 def reference(path: str, waves: list[np.ndarray]) -> tuple[torch.Tensor, list[int]]:
     """Audio rows of the LM's input embeddings, and the processor's token counts."""
-    model = transformers.Qwen2AudioForConditionalGeneration.from_pretrained(path).eval()
-    extractor = transformers.AutoFeatureExtractor.from_pretrained(path)
-    # As Qwen2AudioProcessor._process_audio: padded to the window, with the mask.
-    feats = extractor(waves, sampling_rate=RATE, return_attention_mask=True, padding="max_length",
-                      return_tensors="pt")
-    lengths = feats["attention_mask"].sum(-1).tolist()
-    counts = [(((n - 1) // 2 + 1) - 2) // 2 + 1 for n in lengths]  # the processor's own line
-    ids = torch.full((1, sum(counts)), model.config.audio_token_id)
-    captured: dict = {}
-
-    def grab(module, args, kwargs):  # noqa: ANN001
-        captured["embeds"] = kwargs["inputs_embeds"]
-
-    hook = model.model.language_model.register_forward_pre_hook(grab, with_kwargs=True)
-    try:
-        with torch.inference_mode():
-            model(input_ids=ids, input_features=feats["input_features"],
-                  feature_attention_mask=feats["attention_mask"])
-    finally:
-        hook.remove()
-    return captured["embeds"][0], counts
+    rows, counts, _ = audio_reference(path, waves, RATE)
+    return rows, counts
 
 
 async def test_audio_equals_the_models_own_path(checkpoints: dict[str, str]) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 import soundfile
 import torch
 import transformers
+from conftest import audio_reference
 from transformers.video_utils import load_video
 
 FPS = 2.0  # the encoder's --video-fps default, which the references sample at too
@@ -91,26 +92,7 @@ def videos(path: str, files: list[Path]) -> Expected:
 
 def audio(path: str, waves: list[np.ndarray]) -> Expected:
     """Audio rows of the LM's input embeddings; the grid is the mel-frame length per item."""
-    model = transformers.Qwen2AudioForConditionalGeneration.from_pretrained(path).eval()
-    extractor = transformers.AutoFeatureExtractor.from_pretrained(path)
-    feats = extractor(waves, sampling_rate=AUDIO_RATE, return_attention_mask=True,
-                      padding="max_length", return_tensors="pt")
-    lengths = feats["attention_mask"].sum(-1).tolist()
-    counts = [(((n - 1) // 2 + 1) - 2) // 2 + 1 for n in lengths]  # Qwen2AudioProcessor's line
-    ids = torch.full((1, sum(counts)), model.config.audio_token_id)
-    captured: dict[str, torch.Tensor] = {}
-
-    def grab(module: Any, args: Any, kwargs: Any) -> None:
-        captured["embeds"] = kwargs["inputs_embeds"]
-
-    hook = model.model.language_model.register_forward_pre_hook(grab, with_kwargs=True)
-    try:
-        with torch.inference_mode():
-            model(input_ids=ids, input_features=feats["input_features"],
-                  feature_attention_mask=feats["attention_mask"])
-    finally:
-        hook.remove()
-    rows = captured["embeds"][0]
+    rows, counts, lengths = audio_reference(path, waves, AUDIO_RATE)
     return Expected(list(rows.split(counts)), lengths)
 
 
