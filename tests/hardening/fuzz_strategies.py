@@ -53,6 +53,42 @@ registry_bodies = st.fixed_dictionaries(
                                    json_values)})
 
 
+# SGLang's bodies (``--api sglang``): its field names, hostile values.
+_sglang_well_formed = st.fixed_dictionaries({  # past SGLang's checks: reaches media and delivery
+    "req_id": st.sampled_from(["r_local_part_0", "q_local_part_1"]),
+    "modality": st.sampled_from(["IMAGE", "VIDEO", "AUDIO"]),
+    "mm_items": st.lists(items, min_size=1, max_size=2),
+    "num_parts": st.integers(1, 4), "part_idx": st.integers(0, 3),
+    "prefill_host": st.sampled_from(["127.0.0.1", "::1"]),
+    "embedding_port": st.one_of(st.none(), st.integers(1, 65535)),
+})
+sglang_encode_bodies = _sglang_well_formed | st.fixed_dictionaries(
+    {},
+    optional={"req_id": st.one_of(st.sampled_from(["r_local_part_0", "r", ""]), st.text(max_size=40),
+                                  json_values),
+              "modality": st.one_of(st.sampled_from(["IMAGE", "VIDEO", "AUDIO", "image", "SMELL"]),
+                                    json_values),
+              "mm_items": st.one_of(st.lists(items, max_size=3), items, json_values),
+              "num_parts": st.one_of(st.integers(-3, 5), json_values),
+              "part_idx": st.one_of(st.integers(-3, 5), json_values),
+              "prefill_host": st.one_of(st.sampled_from(["127.0.0.1", "::1", "", "h o s t"]), json_values),
+              "embedding_port": st.one_of(st.none(), st.integers(-5, 70000), st.lists(st.integers(0, 9), max_size=3),
+                                          json_values),
+              "time_stats_json": json_values, "encoder_idx": json_values, "encoder_url": json_values},
+)
+sglang_rank_bodies = st.fixed_dictionaries(
+    {},
+    optional={"req_id": st.one_of(st.sampled_from(["r_local_part_0", ""]), json_values),
+              "part_idx": st.one_of(st.integers(-3, 5), json_values),
+              "receive_count": st.one_of(st.integers(-3, 5), json_values),
+              "receive_url": st.one_of(st.sampled_from(["127.0.0.1:9", "[::1]:9", "h:0", "nohost", ""]),
+                                       json_values),
+              "modality": st.one_of(st.sampled_from(["IMAGE", "AUDIO"]), json_values),
+              "session_id": json_values, "buffer_address": st.one_of(st.integers(-5, 2**70), json_values),
+              "prefill_host": json_values, "embedding_port": json_values},
+)
+
+
 def raw(body: Any) -> bytes:
     return json.dumps(body).encode()
 

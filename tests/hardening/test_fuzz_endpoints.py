@@ -25,7 +25,16 @@ from epd_trio.bootstrap.server import serve_bootstrap
 from epd_trio.config import BootstrapConfig, EncoderConfig, EngineConfig
 from epd_trio.encoder.server import EncoderServer, serve_encoder
 from epd_trio.testing import quiescence_problems
-from fuzz_strategies import abort_bodies, encode_bodies, raw, raw_bodies, registry_bodies, send_bodies
+from fuzz_strategies import (
+    abort_bodies,
+    encode_bodies,
+    raw,
+    raw_bodies,
+    registry_bodies,
+    send_bodies,
+    sglang_encode_bodies,
+    sglang_rank_bodies,
+)
 
 # tools/fuzz.py raises the count; CI runs a few hundred examples in all.
 EXAMPLES = settings(max_examples=int(os.environ.get("EPD_FUZZ_EXAMPLES", "120")), deadline=None,
@@ -35,8 +44,9 @@ EXAMPLES = settings(max_examples=int(os.environ.get("EPD_FUZZ_EXAMPLES", "120"))
 class Servers:
     """serve_encoder + serve_bootstrap in a trio loop on another thread."""
 
-    def __init__(self, model_path: str) -> None:
+    def __init__(self, model_path: str, **config: Any) -> None:
         self.model_path = model_path
+        self.config = config  # EncoderConfig fields beside the fuzzing defaults
         self.urls: dict[str, str] = {}
         self._ready = threading.Event()
         self._token: trio.lowlevel.TrioToken | None = None
@@ -46,8 +56,9 @@ class Servers:
 
     async def _main(self) -> None:
         self._token, self._stop = trio.lowlevel.current_trio_token(), trio.Event()
-        config = EncoderConfig(port=0, engine=EngineConfig(model_path=self.model_path), send_timeout=1.0,
-                               request_timeout=5.0, max_body_bytes=1 << 20, auth_token="fuzz-token")
+        fields = {"send_timeout": 1.0, "request_timeout": 5.0, "max_body_bytes": 1 << 20,
+                  "auth_token": "fuzz-token", **self.config}
+        config = EncoderConfig(port=0, engine=EngineConfig(model_path=self.model_path), **fields)
         async with serve_encoder(config) as enc, \
                 serve_bootstrap(BootstrapConfig(port=0, auth_token="fuzz-token")) as reg:
             self.urls = {"encoder": enc.url, "registry": reg.url}
@@ -175,3 +186,28 @@ def _tiny_png() -> str:
     buf = io.BytesIO()
     Image.new("RGB", (28, 28), (1, 2, 3)).save(buf, format="PNG")
     return base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.mark.parametrize("backend", ["zmq_to_scheduler", "mooncake"])
+def test_fuzz_sglang_face(qwen25_path: str, backend: str) -> None:
+    """``--api sglang``: SGLang's bodies on its routes are answered in SGLang's error shape,
+    never a 500 and never a hang; a well-formed part nobody claims ends in a 504 (its
+    deadline), and afterwards the encoder is healthy and holds nothing."""
+    paths = ["/scheduler_receive_url", "/scheduler_receive_meta_data", "/send"]
+    with Servers(qwen25_path, api="sglang", encoder_transfer_backend=backend,
+                 request_timeout=0.5, send_timeout=0.5) as servers:
+        @EXAMPLES
+        @given(body=sglang_encode_bodies, rank=sglang_rank_bodies, path=st.sampled_from(paths))
+        def examples(body: dict, rank: dict, path: str) -> None:
+            for where, sent in (("/encode", body), (path, rank)):
+                response = post(servers, "encoder", where, raw(sent), token=True)
+                assert response.status_code < 500 or response.status_code == 504, \
+                    (where, response.status_code, response.text[:300], sent)
+                if response.status_code >= 400:
+                    assert set(response.json()) == {"status", "message", "req_id"}, response.text
+
+        examples()
+        servers.wait_idle()
+        url = servers.urls["encoder"]
+        assert quiescence_problems({"encoder": httpx.get(url + "/stats", timeout=10).json()}) == []
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
