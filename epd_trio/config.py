@@ -65,7 +65,7 @@ class EngineConfig:
     max_batch_tokens: int = _opt(65536, "most output tokens in one forward (the oldest request always runs)")
     coalesce_delay: float = _opt(0.0, "seconds a non-full batch waits for company (0 = never)")
     max_pending: int = _opt(256, "admitted requests (preprocessing, queued or running); over it → 503")
-    preprocess_workers: int = _opt(2, "threads preprocessing media in parallel with the forward")
+    preprocess_workers: int = _opt(2, "preprocessing workers running in parallel with the forward (threads, or processes with --preprocess-mode process)")
     media_root: str | None = _opt(None, "directory local-path items may be read from (off by default)")
     max_image_pixels: int = _opt(40_000_000, "largest image (width × height) accepted, checked before decoding")
     max_item_bytes: int = _opt(64 * 1024 * 1024, "largest encoded media item in bytes (data URI, URL, file)")
