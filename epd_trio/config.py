@@ -153,6 +153,9 @@ class EncoderConfig:
 
     host: str = _opt("127.0.0.1", "address to listen on")
     port: int = _opt(8000, "port to listen on (0 picks a free one)")
+    grpc_port: int | None = _opt(None, "also serve gRPC on this port (0 picks a free one), on the "
+                                 "same host and runtime: SGLang's SglangEncoder, epd_trio.v1.Encoder, "
+                                 "grpc.health.v1 and reflection; default: no gRPC")
     api: str = _opt("native", "the HTTP face: native (epd_trio's protocol v1) or sglang (SGLang "
                     "0.5.23's encoder routes and bodies, a drop-in for its --encoder-only server)")
     encoder_transfer_backend: str = _opt("zmq_to_scheduler", "with --api sglang, how embeddings "
@@ -202,6 +205,8 @@ class EncoderConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.grpc_port is not None and not 0 <= self.grpc_port <= 65535:
+            raise ValueError(f"grpc_port must be in 0..65535, got {self.grpc_port}")
         if self.transfer_backend not in ("zmq", "mooncake"):
             raise ValueError(f"transfer_backend must be zmq or mooncake, got {self.transfer_backend!r}")
         if self.api not in APIS:

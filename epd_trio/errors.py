@@ -24,11 +24,16 @@
     ├── WorkerDeadError (503)          the device worker died; its requests fail
     └── ModelLoadError (500)           the checkpoint cannot be served (start-up)
 
-HTTP status mapping lives here only: ``http_status(exc)``. Anything that is not
-an ``EPDError`` is a bug and maps to 500.
+HTTP status mapping lives here only: ``http_status(exc)``; the gRPC status
+(``grpc_status_name(exc)``) is derived from it in one table, ``GRPC_STATUS``.
+Anything that is not an ``EPDError`` is a bug and maps to 500 (``INTERNAL``).
 """
 
 from __future__ import annotations
+
+from types import MappingProxyType
+from collections.abc import Mapping
+from typing import Final
 
 __all__ = [
     "AbortedError",
@@ -39,6 +44,7 @@ __all__ = [
     "EncodeError",
     "EncodeTimeout",
     "FetchRefusedError",
+    "GRPC_STATUS",
     "HeadersTooLargeError",
     "ModelLoadError",
     "NotReadyError",
@@ -53,6 +59,7 @@ __all__ = [
     "UnknownRequestError",
     "WorkerDeadError",
     "error_body",
+    "grpc_status_name",
     "http_status",
 ]
 
@@ -186,3 +193,18 @@ def error_body(exc: BaseException, req_id: str | None = None) -> dict[str, objec
     else:
         kind, message = "InternalError", "internal error in the encoder"
     return {"error": {"type": kind, "message": message}, "req_id": req_id}
+
+
+# HTTP status → gRPC status code name (``grpc.StatusCode[name]``); anything else is INTERNAL.
+# 413 and 431 (a body, media or head over a limit) are RESOURCE_EXHAUSTED, the code grpcio itself
+# gives a message over its size limit, so a caller sees one code for "too large" either way.
+GRPC_STATUS: Final[Mapping[int, str]] = MappingProxyType({
+    400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 409: "ALREADY_EXISTS",
+    413: "RESOURCE_EXHAUSTED", 431: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 503: "UNAVAILABLE",
+    504: "DEADLINE_EXCEEDED",
+})
+
+
+def grpc_status_name(exc: BaseException) -> str:
+    """The gRPC status code name for ``exc`` (derived from its HTTP status, one table)."""
+    return GRPC_STATUS.get(http_status(exc), "INTERNAL")

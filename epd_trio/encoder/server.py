@@ -3,10 +3,11 @@
 ``serve_encoder(config)`` is an ``async with`` block: the engine, the service
 and the HTTP server live exactly as long as it. Once Hypercorn is bound (so the
 advertised URL is real) the encoder registers with each ``register_url``
-registry and keeps re-announcing itself. Leaving the block shuts down in the
+registry and keeps re-announcing itself. With ``grpc_port`` a gRPC server
+(``encoder.grpc_server``) serves the same service beside HTTP. Leaving the block shuts down in the
 order that loses nothing: unregister (so registries stop routing new work
 here), stop admitting (503) and let live requests finish within
-``drain_timeout`` while HTTP still answers, then stop Hypercorn, then cancel
+``drain_timeout`` while HTTP (and gRPC) still answers, then stop Hypercorn and gRPC, then cancel
 what is left, then unload the engine.
 """
 
@@ -32,6 +33,7 @@ from epd_trio.protocol.urls import normalize_url
 from epd_trio._http import hypercorn_config
 from epd_trio.config import EncoderConfig
 from epd_trio.encoder.app import create_app
+from epd_trio.encoder.grpc_server import GrpcServer, open_grpc_server
 from epd_trio.encoder.sglang_app import create_sglang_app
 from epd_trio.encoder.service import EncoderService, open_encoder_service
 from epd_trio.engine import open_engine
@@ -58,6 +60,7 @@ class EncoderServer:
     service: EncoderService
     advertise_url: str  # what registries are told (``--advertise-url``, or derived from ``url``)
     registration: Registration | None = None  # None without ``register_url``
+    grpc: GrpcServer | None = None  # None without ``grpc_port``
     _stop: trio.Event = dataclasses.field(default_factory=trio.Event, repr=False)
 
     def shutdown(self) -> None:
@@ -77,17 +80,29 @@ async def serve_encoder(config: EncoderConfig) -> AsyncIterator[EncoderServer]:
         urls = await nursery.start(serve)
         advertise = advertised_url(config, urls[0])
         log.info("encoder %s serving on %s", engine.model_info.model_type, urls[0])
-        try:
-            async with open_registration(config.register_url, advertise,
-                                         heartbeat_interval=config.heartbeat_interval,
-                                         auth_token=config.registry_auth_token) as registration:
-                yield EncoderServer(url=urls[0], service=service, advertise_url=advertise,
-                                    registration=registration if config.register_url else None)
-            # Leaving that block unregistered us (shielded, bounded) before the drain.
-        finally:
-            with trio.CancelScope(shield=True):  # bounded by drain_timeout
-                await service.drain()
-            stop.set()
+        async with _maybe_grpc(config, service) as grpc_server:
+            try:
+                async with open_registration(config.register_url, advertise,
+                                             heartbeat_interval=config.heartbeat_interval,
+                                             auth_token=config.registry_auth_token) as registration:
+                    yield EncoderServer(url=urls[0], service=service, advertise_url=advertise,
+                                        registration=registration if config.register_url else None,
+                                        grpc=grpc_server)
+                # Leaving that block unregistered us (shielded, bounded) before the drain.
+            finally:
+                with trio.CancelScope(shield=True):  # bounded by drain_timeout
+                    await service.drain()  # gRPC health says NOT_SERVING meanwhile
+                stop.set()
+            # Leaving _maybe_grpc stops the gRPC server once the requests have drained.
+
+
+@asynccontextmanager
+async def _maybe_grpc(config: EncoderConfig, service: EncoderService) -> AsyncIterator[GrpcServer | None]:
+    if config.grpc_port is None:
+        yield None
+        return
+    async with open_grpc_server(service, config.host, config.grpc_port, grace=_HTTP_GRACE) as server:
+        yield server
 
 
 def advertised_url(config: EncoderConfig, bound_url: str) -> str:

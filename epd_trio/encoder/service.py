@@ -106,20 +106,24 @@ class EncoderService:
     def model_info(self) -> ModelInfo:
         return self.engine.model_info
 
-    async def encode(self, request: EncodeRequest, delivery: Delivery | None = None) -> Answer:
+    async def encode(self, request: EncodeRequest, delivery: Delivery | None = None, *,
+                     deadline: float | None = None) -> Answer:
         """Run ``request`` in its own scope and wait for its one answer.
 
-        ``delivery`` defaults to the one the request asks for. If the caller
-        leaves (a client disconnect, a cancellation) before the answer, the
-        scope is aborted, and its receivers are told.
+        ``delivery`` defaults to the one the request asks for. The scope's
+        deadline is ``--request-timeout`` from now, or the caller's own
+        ``deadline`` (trio clock; a gRPC client's) when that is sooner. If the
+        caller leaves (a client disconnect, a cancellation) before the answer,
+        the scope is aborted, and its receivers are told.
         """
         try:
             if self.draining:
                 raise NotReadyError("the encoder is draining and accepts no new requests")
             if delivery is None:
                 delivery = self.delivery_for(request)
+            ours = trio.current_time() + self.config.request_timeout
             scope = self.registry.admit(request, delivery,
-                                        deadline=trio.current_time() + self.config.request_timeout)
+                                        deadline=ours if deadline is None else min(ours, deadline))
         except EPDError as exc:  # refused before a scope existed (a scope counts its own outcome)
             self.metrics.request(request.modality, exc)
             raise
@@ -197,8 +201,8 @@ class EncoderService:
                     scope.answer(outcome.Value(answer))
             if scope.cancel_scope.cancelled_caught:
                 raise scope.abort_reason or DeadlineExceeded(
-                    f"request exceeded its {self.config.request_timeout} s deadline",
-                    req_id=request.req_id)
+                    f"request exceeded its deadline (--request-timeout {self.config.request_timeout} s, "
+                    "or the caller's own)", req_id=request.req_id)
         except Exception as exc:
             await self._fail(scope, exc)
         finally:

@@ -1,0 +1,171 @@
+"""Calling the trio runtime from grpcio's asyncio handlers.
+
+grpcio serves on its own thread with its own asyncio loop (``grpc_server``);
+every RPC's work is a trio task in the gRPC face's nursery, started with
+``TrioToken.run_sync_soon`` (no thread per call) and answered through an
+asyncio future. An RPC the client cancels, or whose deadline passes, cancels
+that task's cancel scope; the task's own ``finally`` blocks (the service's
+abort of a request scope, its receivers' error notice) run as always.
+
+``unary`` wraps a trio handler into a grpcio one: the bearer token from the
+``authorization`` metadata, the client's deadline handed to the handler, and
+every error mapped to a gRPC status in one place (``errors.grpc_status_name``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import grpc
+import trio
+
+from epd_trio._http import BearerAuth
+from epd_trio.errors import AbortedError, DeadlineExceeded, EPDError, NotReadyError, grpc_status_name
+
+__all__ = ["Call", "TrioBridge", "error_status", "unary"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# The trailing-metadata key that names the error's class, so a client can rebuild it.
+ERROR_TYPE_KEY = "epd-error-type"
+
+
+@dataclass(frozen=True)
+class Call:
+    """What a trio handler knows of its RPC: the client's deadline (trio clock), if any."""
+
+    deadline: float = math.inf
+    method: str = ""
+
+
+class _Pending(Generic[T]):
+    """One RPC's trio task, seen from both threads."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.future: asyncio.Future[T] = loop.create_future()
+        self.cancel_scope: trio.CancelScope | None = None
+        self.cancelled = False
+
+    def settle(self, value: T | None, error: BaseException | None) -> None:
+        """From the trio thread: hand the outcome to the asyncio side, if it still listens."""
+        def _set() -> None:
+            if self.future.done():
+                return
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(value)  # type: ignore[arg-type]
+        try:
+            self.loop.call_soon_threadsafe(_set)
+        except RuntimeError:  # the loop has closed: nobody waits any more
+            pass
+
+    def cancel(self) -> None:
+        """On the trio thread: cancel the task, or make it start cancelled."""
+        self.cancelled = True
+        if self.cancel_scope is not None:
+            self.cancel_scope.cancel()
+
+
+class TrioBridge:
+    """Runs trio functions for the asyncio loop; their tasks live in ``nursery``."""
+
+    def __init__(self, token: trio.lowlevel.TrioToken, nursery: trio.Nursery) -> None:
+        self._token = token
+        self._nursery = nursery
+        self.calls = 0  # started since the bridge opened
+        self.cancelled = 0  # cancelled by their RPC (client cancel or deadline)
+
+    async def run(self, fn: Callable[[], Awaitable[T]], timeout: float | None) -> T:
+        """On the asyncio loop: ``await fn()`` in trio, within ``timeout`` seconds if given."""
+        pending: _Pending[T] = _Pending(asyncio.get_running_loop())
+        try:
+            self._token.run_sync_soon(self._start, pending, fn, timeout)
+        except trio.RunFinishedError:
+            raise NotReadyError("the encoder is shutting down") from None
+        try:
+            return await pending.future
+        except asyncio.CancelledError:
+            try:
+                self._token.run_sync_soon(self._cancelled, pending)
+            except trio.RunFinishedError:
+                pass
+            raise
+
+    def _cancelled(self, pending: _Pending[Any]) -> None:
+        self.cancelled += 1
+        pending.cancel()
+
+    def _start(self, pending: _Pending[T], fn: Callable[[], Awaitable[T]], timeout: float | None) -> None:
+        self.calls += 1
+        try:
+            self._nursery.start_soon(self._task, pending, fn, timeout)
+        except RuntimeError:  # the nursery has closed: we are shutting down
+            pending.settle(None, NotReadyError("the encoder is shutting down"))
+
+    async def _task(self, pending: _Pending[T], fn: Callable[[], Awaitable[T]],
+                    timeout: float | None) -> None:
+        value: T | None = None
+        error: BaseException | None = None
+        with trio.CancelScope() as scope:
+            pending.cancel_scope = scope
+            if pending.cancelled:
+                scope.cancel()
+            if timeout is not None:
+                scope.deadline = trio.current_time() + timeout
+            try:
+                value = await fn()
+            except Exception as exc:  # handed to the RPC, which maps it to a status
+                error = exc
+        if scope.cancelled_caught:
+            error = AbortedError("the client cancelled the call") if pending.cancelled \
+                else DeadlineExceeded("the call's deadline passed")
+        pending.settle(value, error)
+
+
+def error_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status and details a failed RPC ends with; never a traceback."""
+    if isinstance(exc, EPDError):
+        return grpc.StatusCode[grpc_status_name(exc)], exc.message
+    return grpc.StatusCode.INTERNAL, "internal error in the encoder"
+
+
+Handler = Callable[[Any, Call], Awaitable[Any]]
+
+
+def unary(bridge: TrioBridge, handler: Handler, *, method: str,
+          auth: BearerAuth | None = None) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+    """A grpcio unary handler that runs ``handler(request, call)`` in trio."""
+
+    async def rpc(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            if auth is not None:
+                auth.check(dict(context.invocation_metadata()).get("authorization"), method)
+            remaining = context.time_remaining()
+            return await bridge.run(lambda: _with_deadline(handler, request, method, remaining), remaining)
+        except Exception as exc:
+            await abort(context, exc, method)
+
+    return rpc
+
+
+async def _with_deadline(handler: Handler, request: Any, method: str, remaining: float | None) -> Any:
+    deadline = math.inf if remaining is None else trio.current_time() + remaining
+    return await handler(request, Call(deadline, method))
+
+
+async def abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+    """End the RPC with ``exc``'s status (raises, as ``context.abort`` does)."""
+    if not isinstance(exc, EPDError):
+        log.error("unhandled error in gRPC %s", method, exc_info=exc)
+    code, details = error_status(exc)
+    kind = exc.type_name if isinstance(exc, EPDError) else "InternalError"
+    context.set_trailing_metadata(((ERROR_TYPE_KEY, kind),))
+    await context.abort(code, details)

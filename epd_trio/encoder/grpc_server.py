@@ -1,0 +1,156 @@
+"""The gRPC server (``--grpc-port``), beside HTTP in the same process and runtime.
+
+grpcio's server is asyncio-based, so it runs on a thread of its own with its
+own event loop (README, *gRPC under trio*, says why this over the other ways
+measured); every RPC's work is a trio task in this server's nursery, reached
+through ``grpc_bridge.TrioBridge``. It serves ``sglang.grpc.encoder.SglangEncoder``,
+``epd_trio.v1.Encoder``, ``grpc.health.v1.Health`` and server reflection.
+
+``open_grpc_server`` is an ``async with`` block: the thread, its loop and the
+bound port live exactly as long as it. Leaving it stops the server (live
+RPCs get ``grace`` seconds), ends the thread, then cancels what trio work is
+left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Final
+
+import grpc
+import trio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto import sglang_encoder_pb2_grpc
+
+from epd_trio.encoder import grpc_native, grpc_sglang
+from epd_trio.encoder.grpc_bridge import TrioBridge
+from epd_trio.encoder.grpc_health import HealthServicer
+from epd_trio.encoder.service import EncoderService
+from epd_trio.protocol.proto import encoder_pb2_grpc
+
+__all__ = ["GrpcServer", "MESSAGE_LIMIT", "SERVICES", "open_grpc_server"]
+
+log = logging.getLogger(__name__)
+
+MESSAGE_LIMIT: Final = 256 << 20  # SGLang's gRPC encoder's, both directions
+START_TIMEOUT: Final = 30.0  # binding and starting the server; then it is an error
+SERVICES: Final = (grpc_sglang.SERVICE_NAME, grpc_native.SERVICE_NAME, health_pb2.DESCRIPTOR
+                   .services_by_name["Health"].full_name)
+
+
+@dataclass(frozen=True)
+class GrpcServer:
+    url: str  # grpc://host:port, as bound
+    port: int
+    bridge: TrioBridge
+
+
+def _options(service: EncoderService) -> list[tuple[str, Any]]:
+    receive = max(MESSAGE_LIMIT, service.config.max_body_bytes)
+    return [("grpc.max_send_message_length", MESSAGE_LIMIT),
+            ("grpc.max_receive_message_length", receive),
+            ("grpc.so_reuseport", 0)]  # a busy port is an error, as for HTTP
+
+
+def _add_services(server: grpc.aio.Server, service: EncoderService, bridge: TrioBridge) -> None:
+    sglang_encoder_pb2_grpc.add_SglangEncoderServicer_to_server(
+        grpc_sglang.sglang_servicer(service, bridge), server)
+    encoder_pb2_grpc.add_EncoderServicer_to_server(grpc_native.native_servicer(service, bridge), server)
+    health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(service, bridge, SERVICES), server)
+    reflection.enable_server_reflection((*SERVICES, reflection.SERVICE_NAME), server)
+
+
+class _LoopThread:
+    """The thread that runs grpcio's asyncio loop; reports to trio through its token."""
+
+    def __init__(self, service: EncoderService, bridge: TrioBridge, address: str, grace: float) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._build: Callable[[grpc.aio.Server], None] = lambda s: _add_services(s, service, bridge)
+        self._options = _options(service)
+        self._address = address
+        self._grace = grace
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._stopping = threading.Event()  # a stop asked for before the loop was there
+        self.started = trio.Event()
+        self.ended = trio.Event()
+        self.port: int | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name=f"grpc {address}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """From trio: ask the loop to stop the server (idempotent)."""
+        self._stopping.set()
+        if self._loop is not None and self._stop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._stop.set)
+            except RuntimeError:  # already closed
+                pass
+
+    def _report(self, fn: Callable[[], None]) -> None:
+        try:
+            self._token.run_sync_soon(fn)
+        except trio.RunFinishedError:
+            pass
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as exc:  # noqa: BLE001 - handed to trio, which raises it
+            self.error = exc
+        finally:
+            self._report(self._finished)
+
+    def _finished(self) -> None:
+        self.started.set()  # a thread that died before starting must not leave trio waiting
+        self.ended.set()
+
+    async def _serve(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        server = grpc.aio.server(options=self._options)
+        self._build(server)
+        port = server.add_insecure_port(self._address)  # raises when it cannot bind
+        await server.start()
+        self.port = port
+        self._report(self.started.set)
+        try:
+            if not self._stopping.is_set():
+                await self._stop.wait()
+        finally:
+            await server.stop(self._grace)
+
+
+@asynccontextmanager
+async def open_grpc_server(service: EncoderService, host: str, port: int, *,
+                           grace: float = 2.0) -> AsyncIterator[GrpcServer]:
+    """Serve gRPC on ``host:port`` (0 picks a free port) for the duration of the block."""
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    async with trio.open_nursery() as nursery:
+        bridge = TrioBridge(trio.lowlevel.current_trio_token(), nursery)
+        thread = _LoopThread(service, bridge, address, grace)
+        thread.start()
+        try:
+            with trio.fail_after(START_TIMEOUT):
+                await thread.started.wait()
+            if thread.port is None:
+                raise OSError(f"cannot serve gRPC on {address}: {thread.error}") from thread.error
+            shown = f"[{host}]" if ":" in host else host
+            log.info("gRPC serving on %s:%d", shown, thread.port)
+            yield GrpcServer(f"grpc://{shown}:{thread.port}", thread.port, bridge)
+        finally:
+            with trio.CancelScope(shield=True):
+                thread.stop()
+                with trio.move_on_after(grace + 5.0):  # the loop's stop is bounded by grace
+                    await thread.ended.wait()
+                if not thread.ended.is_set():
+                    log.warning("the gRPC thread did not end within %.1f s; leaving it", grace + 5.0)
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,82 @@
+"""``sglang.grpc.encoder.SglangEncoder`` (smg-grpc-proto 0.4.28), as SGLang 0.5.23 serves it.
+
+Same behaviour as SGLang's ``grpc_server.py`` on the same runtime as the
+SGLang HTTP face: ``Encode`` takes the unsuffixed request id; an empty
+``embedding_port`` is zmq_to_scheduler's rendezvous (each rank calls
+``SchedulerReceiveUrl``), ``[port, …]`` pushes to those ports on
+``prefill_host``; it answers once every destination has the part, or for
+mooncake with the sizes. SGLang's proto has no modality field and SGLang
+encodes images only; here the items say what they are (``data:video/…``,
+``.wav``, …; image otherwise) and a request that mixes modalities is refused.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from smg_grpc_proto import sglang_encoder_pb2 as pb
+from smg_grpc_proto import sglang_encoder_pb2_grpc as pb_grpc
+
+from epd_trio._http import BearerAuth
+from epd_trio.encoder.grpc_bridge import Call, TrioBridge, unary
+from epd_trio.encoder.service import EncoderService
+from epd_trio.errors import UnknownRequestError
+from epd_trio.protocol.grpc_messages import sglang_encode_body
+from epd_trio.protocol.sglang_requests import parse_receive_url, parse_sglang_encode, parse_sglang_send
+
+__all__ = ["SERVICE_NAME", "sglang_servicer"]
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SglangEncoder"].full_name
+
+
+class _SGLang:
+    def __init__(self, service: EncoderService) -> None:
+        self.service = service
+
+    async def encode(self, message: Any, call: Call) -> Any:
+        config = self.service.config
+        request = parse_sglang_encode(sglang_encode_body(message),
+                                      backend=config.encoder_transfer_backend, max_items=config.max_items)
+        answer = await self.service.encode(request, deadline=None if math.isinf(call.deadline) else call.deadline)
+        if answer.nbytes is None:
+            return pb.EncodeResponse()  # every destination has the part
+        return pb.EncodeResponse(embedding_size=answer.nbytes, embedding_len=answer.meta.tokens,
+                                 embedding_dim=answer.meta.dim)
+
+    async def send(self, message: Any, call: Call) -> Any:
+        """SGLang's Mooncake write: its message names neither the part nor the size, which
+        are the (one) live part of that request's and the sizes ``Encode`` answered."""
+        config, rendezvous = self.service.config, self.service.deliveries.rendezvous
+        parts = [s.part_idx for s in self.service.registry.live() if s.req_id == message.req_id]
+        if not parts:
+            raise UnknownRequestError(f"no live request {message.req_id!r}", req_id=message.req_id)
+        sizes = await rendezvous.wait_sizes(message.req_id, timeout=config.send_timeout)
+        order = parse_sglang_send({
+            "req_id": message.req_id, "part_idx": min(parts), "session_id": message.session_id,
+            "buffer_address": message.buffer_address, "embedding_size": sizes["embedding_size"],
+            "prefill_host": message.prefill_host, "embedding_port": message.embedding_port,
+            "receive_count": 1})
+        await self.service.send(order.req_id, order.part_idx, session=order.session,
+                                address=order.buffer_address, length=order.length,
+                                completion=order.completion, receive_count=order.receive_count)
+        return pb.SendResponse()
+
+    async def scheduler_receive_url(self, message: Any, call: Call) -> Any:
+        reg = parse_receive_url({"req_id": message.req_id, "receive_count": message.receive_count,
+                                 "receive_url": message.receive_url})
+        await self.service.deliveries.rendezvous.register(
+            reg.req_id, reg.receive_count, reg.receive_url, timeout=self.service.config.request_timeout)
+        return pb.SchedulerReceiveUrlResponse()
+
+
+def sglang_servicer(service: EncoderService, bridge: TrioBridge) -> Any:
+    """The servicer grpcio calls (the token, with ``--require-auth-for-encode``, on every call)."""
+    config, sglang = service.config, _SGLang(service)
+    auth = BearerAuth(config.auth_token) if config.require_auth_for_encode else None
+    servicer = pb_grpc.SglangEncoderServicer()
+    servicer.Encode = unary(bridge, sglang.encode, method="Encode", auth=auth)
+    servicer.Send = unary(bridge, sglang.send, method="Send", auth=auth)
+    servicer.SchedulerReceiveUrl = unary(bridge, sglang.scheduler_receive_url,
+                                         method="SchedulerReceiveUrl", auth=auth)
+    return servicer

@@ -1,0 +1,101 @@
+"""gRPC messages ↔ protocol v1, sans-IO: both gRPC services reuse the HTTP bodies' parsers.
+
+A request message becomes the very dict its HTTP face would have parsed from
+JSON, so validation, limits and error messages are the HTTP ones by
+construction; an answer becomes a message field by field.
+"""
+
+from __future__ import annotations
+
+import json
+import mimetypes
+from typing import Any, Final
+
+from epd_trio.errors import RequestError
+from epd_trio.protocol.proto import encoder_pb2 as pb
+from epd_trio.protocol.requests import EncodeMeta
+
+__all__ = [
+    "encode_body",
+    "infer_modality",
+    "meta_from_message",
+    "meta_message",
+    "sglang_encode_body",
+]
+
+_MODALITY_PREFIXES: Final = {"image/": "image", "video/": "video", "audio/": "audio"}
+
+
+def encode_body(message: pb.EncodeRequest) -> dict[str, Any]:
+    """``epd_trio.v1.EncodeRequest`` → the JSON ``/encode`` body it means."""
+    items: list[Any] = [{"url": i.url, "content_hash": i.content_hash} if i.content_hash else i.url
+                        for i in message.mm_items]
+    body: dict[str, Any] = {"req_id": message.req_id, "modality": message.modality,
+                            "mm_items": items, "num_parts": message.num_parts or 1,
+                            "part_idx": message.part_idx}
+    if message.hashes:
+        body["hashes"] = list(message.hashes)
+    which = message.WhichOneof("deliver")
+    if which == "zmq":
+        body["deliver"] = {"backend": "zmq", "endpoints": list(message.zmq.endpoints)}
+    elif which == "mooncake":
+        body["deliver"] = {"backend": "mooncake", "receive_count": message.mooncake.receive_count or 1}
+    return body
+
+
+def meta_message(meta: EncodeMeta) -> pb.EncodeMeta:
+    """One part's metadata as the message (``extras`` as JSON: its values are numbers or lists)."""
+    return pb.EncodeMeta(
+        req_id=meta.req_id, part_idx=meta.part_idx, num_parts=meta.num_parts,
+        modality=meta.modality, tokens=meta.tokens, dim=meta.dim, dtype=meta.dtype,
+        token_counts=meta.token_counts,
+        grid_thw=[pb.Grid(t=t, h=h, w=w) for t, h, w in meta.grid_thw],
+        extras_json=json.dumps(meta.extras) if meta.extras else "")
+
+
+def meta_from_message(message: pb.EncodeMeta) -> EncodeMeta:
+    """The inverse of ``meta_message`` (a client's view of an answer)."""
+    try:
+        extras = json.loads(message.extras_json) if message.extras_json else {}
+    except ValueError as exc:
+        raise RequestError(f"extras_json is not JSON: {exc}") from None
+    return EncodeMeta(
+        req_id=message.req_id, part_idx=message.part_idx, num_parts=message.num_parts,
+        modality=message.modality, tokens=message.tokens, dim=message.dim, dtype=message.dtype,
+        token_counts=list(message.token_counts),
+        grid_thw=[[g.t, g.h, g.w] for g in message.grid_thw], extras=extras)
+
+
+def infer_modality(items: list[str]) -> str:
+    """What SGLang's modality-free gRPC ``Encode`` items are: each ``data:`` URI's MIME type
+    or a URL's or path's file extension; image when nothing says otherwise (SGLang's only
+    case). Items that say different modalities are refused: one modality per request."""
+    seen = {_item_modality(item) for item in items} - {None}
+    if len(seen) > 1:
+        raise RequestError(f"mm_items mix modalities ({', '.join(sorted(seen))}); "  # type: ignore[arg-type]
+                           "send one Encode per modality")
+    return seen.pop() if seen else "image"  # type: ignore[return-value]
+
+
+def _item_modality(item: str) -> str | None:
+    if item.startswith("data:"):
+        mime = item[5:].split(";", 1)[0].split(",", 1)[0].strip().lower()
+    else:
+        mime = (mimetypes.guess_type(item.split("?", 1)[0])[0] or "").lower()
+    return next((m for prefix, m in _MODALITY_PREFIXES.items() if mime.startswith(prefix)), None)
+
+
+def sglang_encode_body(message: Any) -> dict[str, Any]:
+    """SGLang's ``sglang.grpc.encoder.EncodeRequest`` → its HTTP ``/encode`` body.
+
+    ``embedding_port`` empty means zmq_to_scheduler's rendezvous (the ranks call
+    ``SchedulerReceiveUrl``); otherwise the listed ports on ``prefill_host``.
+    """
+    items = list(message.mm_items)
+    body: dict[str, Any] = {"req_id": message.req_id, "modality": infer_modality(items),
+                            "mm_items": items, "num_parts": message.num_parts,
+                            "part_idx": message.part_idx}
+    if message.embedding_port:
+        body["prefill_host"] = message.prefill_host
+        body["embedding_port"] = list(message.embedding_port)
+    return body
