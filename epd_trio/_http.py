@@ -10,16 +10,27 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Final
 
 import hypercorn.config
+import trio
 from quart import Response
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from epd_trio.errors import EPDError, PayloadTooLargeError, UnauthorizedError, error_body, http_status
+from epd_trio.protocol.requests import parse_json_body
 
-__all__ = ["BearerAuth", "hypercorn_config", "install_error_handlers", "json_error", "json_response"]
+__all__ = [
+    "OFFLOAD_BODY_BYTES",
+    "BearerAuth",
+    "hypercorn_config",
+    "install_error_handlers",
+    "json_error",
+    "json_response",
+    "parse_json_off_loop",
+]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +54,19 @@ class BearerAuth:
         given = (header or "").encode("utf-8", "surrogateescape")
         if not hmac.compare_digest(given, self._expected):
             raise UnauthorizedError(f"{what} needs 'Authorization: Bearer <token>'")
+
+
+# From this size a JSON body is parsed in a worker thread: a 1024 px PNG as a data URI is
+# ~3 MB of JSON, whose parse would hold the event loop (every other request) for milliseconds.
+OFFLOAD_BODY_BYTES: Final = 1 << 20
+
+
+async def parse_json_off_loop(raw: bytes, threads: trio.CapacityLimiter,
+                              parse: Callable[[bytes], dict[str, Any]] = parse_json_body) -> dict[str, Any]:
+    """``parse(raw)``, on a worker thread under ``threads`` when ``raw`` is large."""
+    if len(raw) < OFFLOAD_BODY_BYTES:
+        return parse(raw)
+    return await trio.to_thread.run_sync(parse, raw, limiter=threads)
 
 
 def json_response(body: Any, status: int = 200) -> Response:

@@ -1,0 +1,40 @@
+"""Large JSON bodies are parsed off the event loop, with the same results and errors."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import trio
+
+from epd_trio._http import OFFLOAD_BODY_BYTES, parse_json_off_loop
+from epd_trio.errors import RequestError
+from epd_trio.protocol.requests import parse_json_body
+
+
+async def test_small_bodies_parse_on_the_loop_and_large_ones_in_a_thread() -> None:
+    threads = trio.CapacityLimiter(1)
+    seen: list[str] = []
+    body = {"req_id": "r", "pad": "x" * OFFLOAD_BODY_BYTES}
+
+    def parse(raw: bytes) -> dict:
+        seen.append(threading.current_thread().name)
+        return json.loads(raw)
+
+    assert await parse_json_off_loop(b'{"a": 1}', threads, parse) == {"a": 1}
+    assert await parse_json_off_loop(json.dumps(body).encode(), threads, parse) == body
+    assert seen[0] == threading.current_thread().name and seen[1] != seen[0]
+
+
+@pytest.mark.parametrize("raw", [
+    b"[" * (OFFLOAD_BODY_BYTES + 10),                      # nested too deep
+    b'"a string"' + b" " * OFFLOAD_BODY_BYTES,              # not an object
+    b'{"req_id": "' + b"x" * OFFLOAD_BODY_BYTES,            # cut short
+])
+async def test_a_large_bad_body_is_the_same_400(raw: bytes) -> None:
+    with pytest.raises(RequestError) as on_loop:
+        parse_json_body(raw)
+    with pytest.raises(RequestError) as off_loop:
+        await parse_json_off_loop(raw, trio.CapacityLimiter(1))
+    assert off_loop.value.message == on_loop.value.message
