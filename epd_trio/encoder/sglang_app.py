@@ -31,7 +31,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from epd_trio._http import json_response, parse_json_off_loop
+from epd_trio._http import JoinedBodyRequest, json_response, parse_json_off_loop
 from epd_trio.encoder.app import DATA_PATHS, access_control, add_shared_routes
 from epd_trio.encoder.profiling import parse_profile_request
 from epd_trio.encoder.service import EncoderService
@@ -67,6 +67,7 @@ async def _body(threads: trio.CapacityLimiter) -> dict[str, Any]:
 def create_sglang_app(service: EncoderService) -> QuartTrio:
     """One app per service: no module-level state."""
     app = QuartTrio(__name__)
+    app.request_class = JoinedBodyRequest  # large bodies copied once, not per chunk
     app.config["MAX_CONTENT_LENGTH"] = service.config.max_body_bytes
     app.config["BODY_TIMEOUT"] = service.config.request_timeout
     access_control(app, service.config, SGLANG_DATA_PATHS)
