@@ -156,13 +156,28 @@ async def mooncake_receiver(nbytes: int) -> AsyncIterator[tuple[Any, torch.Tenso
 
 
 async def test_mooncake_answers_the_size_then_send_writes_it(encoder: Any) -> None:
+    """The forward is held (the scheduler's ``run_sync`` waits on an event) until the Encode
+    answer is in: the size comes before the forward, the bytes with Send."""
     image = data_uri(png_bytes(100, 70, seed=5))
     async with encoder(grpc_port=0, transfer_backend="mooncake") as (server, http), \
             mooncake_receiver(1 << 20) as (mc, buf):
         inline, _ = decode_safetensors((await http.post("/encode", json={
             "req_id": "ref", "modality": "image", "mm_items": [image]})).content)
-        answer = await rpc(server, "Encode", pb.EncodeRequest(  # receive_count 0 means 1
-            req_id="m", modality="image", mm_items=[pb.Item(url=image)], mooncake=pb.Mooncake()))
+        scheduler = server.service.engine.scheduler
+        real_run_sync, forward_may_run, batches = scheduler.run_sync, trio.Event(), []
+
+        async def held(fn: Any, payloads: Any, **kw: Any) -> Any:
+            await forward_may_run.wait()
+            batches.append(len(payloads))
+            return await real_run_sync(fn, payloads, **kw)
+
+        scheduler.run_sync = held
+        try:
+            answer = await rpc(server, "Encode", pb.EncodeRequest(  # receive_count 0 means 1
+                req_id="m", modality="image", mm_items=[pb.Item(url=image)], mooncake=pb.Mooncake()))
+            assert batches == []  # answered while the forward had not run
+        finally:
+            forward_may_run.set()
         assert not isinstance(answer, grpc.RpcError), answer
         assert answer.nbytes == inline.numel() * inline.element_size() and answer.safetensors == b""
         offset = 4096  # the receiver chooses its slot: an offset proves the addressing
@@ -175,6 +190,7 @@ async def test_mooncake_answers_the_size_then_send_writes_it(encoder: Any) -> No
             req_id="m", session=mc.session, buffer_address=buf.data_ptr(), buffer_length=answer.nbytes))
         stats = (await http.get("/stats")).json()
     assert (sent.req_id, sent.part_idx, sent.nbytes) == ("m", 0, answer.nbytes)
+    assert batches == [1]
     meta = answer.meta
     landed = buf[offset:offset + answer.nbytes].view(torch.float32).view(meta.tokens, meta.dim)
     assert torch.equal(landed, inline)
@@ -270,3 +286,25 @@ async def test_model_info_equals_http(encoder_for: Any) -> None:
            "embedding_description": answer.embedding_description, "version": answer.version}
     assert got == info
     assert len(info["embedding_layout"]) > 1  # Qwen3-VL's deepstack levels: a layout worth checking
+
+
+async def test_reflection_lists_and_describes_the_service(encoder: Any) -> None:
+    """What ``grpcurl list`` and ``grpcurl describe epd_trio.v1.Encoder`` (README) ask for."""
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    async with encoder(grpc_port=0) as (server, _):
+        target = server.grpc.url.removeprefix("grpc://")
+
+        def reflect() -> tuple[list[str], list[str]]:
+            with grpc.insecure_channel(target) as channel:
+                database = ProtoReflectionDescriptorDatabase(channel)
+                service = DescriptorPool(database).FindServiceByName("epd_trio.v1.Encoder")
+                return sorted(database.get_services()), [m.name for m in service.methods]
+
+        services, methods = await trio.to_thread.run_sync(reflect)
+    assert services == sorted(["epd_trio.v1.Encoder", "sglang.grpc.encoder.SglangEncoder",
+                               "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"])
+    assert methods == ["Encode", "Send", "Abort", "GetModelInfo"]
