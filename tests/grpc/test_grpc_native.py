@@ -274,6 +274,33 @@ async def test_abort_ends_a_live_encode_cancelled(encoder: Any) -> None:
     assert stats["registry"]["aborted"] == 1
 
 
+async def test_the_client_deadline_is_the_request_deadline(encoder: Any) -> None:
+    """The forward is held; the call's 1 s deadline (far below --request-timeout) ends the
+    request: the ZMQ receiver is told, nothing stays live. Real time: gRPC runs on its own thread."""
+    image = data_uri(png_bytes(56, 56, seed=10))
+    async with encoder(grpc_port=0, request_timeout=120.0) as (server, _), PullReceiver() as pull:
+        scheduler = server.service.engine.scheduler
+        real_run_sync, gate = scheduler.run_sync, trio.Event()
+
+        async def held(fn: Any, payloads: Any, **kw: Any) -> Any:
+            await gate.wait()
+            return await real_run_sync(fn, payloads, **kw)
+
+        scheduler.run_sync = held
+        try:
+            with trio.fail_after(30):
+                late = await rpc(server, "Encode", pb.EncodeRequest(
+                    req_id="late", modality="image", mm_items=[pb.Item(url=image)],
+                    zmq=pb.Zmq(endpoints=[pull.last_endpoint])), timeout=1.0)
+                header, payload = await pull.receive()
+                await wait_live(server, 0)
+        finally:
+            gate.set()
+    assert late.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert (header.kind, header.req_id, payload) == ("error", "late", None)
+    assert header.error is not None and header.error.status in (499, 504), header.error
+
+
 async def test_model_info_equals_http(encoder_for: Any) -> None:
     async with encoder_for("qwen3_vl", grpc_port=0) as (server, http):
         info = (await http.get("/model_info")).json()
