@@ -275,7 +275,7 @@ async def test_abort_ends_a_live_encode_cancelled(encoder: Any) -> None:
 
 
 async def test_the_client_deadline_is_the_request_deadline(encoder: Any) -> None:
-    """The forward is held; the call's 1 s deadline (far below --request-timeout) ends the
+    """The forward is held; the call's 3 s deadline (far below --request-timeout) ends the
     request: the ZMQ receiver is told, nothing stays live. Real time: gRPC runs on its own thread."""
     image = data_uri(png_bytes(56, 56, seed=10))
     async with encoder(grpc_port=0, request_timeout=120.0) as (server, _), PullReceiver() as pull:
@@ -291,7 +291,7 @@ async def test_the_client_deadline_is_the_request_deadline(encoder: Any) -> None
             with trio.fail_after(30):
                 late = await rpc(server, "Encode", pb.EncodeRequest(
                     req_id="late", modality="image", mm_items=[pb.Item(url=image)],
-                    zmq=pb.Zmq(endpoints=[pull.last_endpoint])), timeout=1.0)
+                    zmq=pb.Zmq(endpoints=[pull.last_endpoint])), timeout=3.0)
                 header, payload = await pull.receive()
                 await wait_live(server, 0)
         finally:
