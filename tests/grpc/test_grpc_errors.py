@@ -128,6 +128,7 @@ async def test_bad_requests_fail_as_over_http(encoder: Any) -> None:
             failed = await rpc(server, "Encode", encode_message(body))
             await assert_parity(r, failed, what)
             codes[what] = failed.code()
+        metrics = (await http.get("/metrics")).text
         # a live (req_id, part_idx) — a Mooncake part waits for its /send — cannot be admitted twice
         dup = enc(req_id="dup", deliver={"backend": "mooncake", "receive_count": 1})
         assert (await http.post("/encode", json=dup)).status_code == 200
@@ -152,6 +153,12 @@ async def test_bad_requests_fail_as_over_http(encoder: Any) -> None:
     assert codes["over max_body_bytes"] == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert {c for w, c in codes.items() if w != "over max_body_bytes"} == {grpc.StatusCode.INVALID_ARGUMENT}
     assert stats["live_requests"] == 0
+    # refused before parsing finished, each face counts it once under modality "unknown"
+    # (HTTP's oversized body is refused by Quart, before the handler: only gRPC's is counted)
+    unknown = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("epd_encoder_requests_total{") and 'modality="unknown"' in line}
+    assert unknown == {'epd_encoder_requests_total{modality="unknown",outcome="RequestError"}': 2 * 11,
+                       'epd_encoder_requests_total{modality="unknown",outcome="PayloadTooLargeError"}': 1}
 
 
 async def test_the_token_rides_in_authorization_metadata(encoder: Any) -> None:
