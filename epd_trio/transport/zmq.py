@@ -119,6 +119,7 @@ class PushSocketCache:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._counts = dict(sends=0, send_timeouts=0, idle_closed=0, evicted=0)
         self._changed = trio.Event()
+        self._wake_at = math.inf  # when the idle-closing task next looks by itself
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._stack = AsyncExitStack()
 
@@ -152,7 +153,8 @@ class PushSocketCache:
         finally:
             entry.busy -= 1
             entry.last_used = trio.current_time()
-            self._changed.set()
+            if entry.last_used + self._idle_close < self._wake_at:  # else it looks in time anyway
+                self._changed.set()
         self._counts["sends"] += 1
 
     def statistics(self) -> PushCacheStatistics:
@@ -210,7 +212,8 @@ class PushSocketCache:
                 self._entries.pop(endpoint).sock.close(self._linger_ms)
                 self._counts["idle_closed"] += 1
                 del idle[endpoint]
-            with trio.move_on_at(next_expiry(idle, self._idle_close)):
+            self._wake_at = next_expiry(idle, self._idle_close)
+            with trio.move_on_at(self._wake_at):
                 await changed.wait()
             if changed.is_set():
                 self._changed = trio.Event()
