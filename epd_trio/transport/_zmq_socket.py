@@ -214,20 +214,31 @@ class TrioSocket:
                 return tracker
 
     def _send_parts(self, frames: Sequence[FrameLike]) -> zmq.MessageTracker:
-        """Queue all parts, tracking each one.
+        """Queue all parts, tracking the last one that goes zero-copy.
 
-        Not ``send_multipart``: it returns the last part's tracker only. And no
-        ``zmq.Frame`` kept here: while one lives, libzmq never reports its
-        buffer released. ``zmq.Again`` can only come from the first part (libzmq
-        takes a whole message or none of it).
+        libzmq writes a message's parts to the wire in order and lets go of
+        each once written (or dropped), and pyzmq reports the releases from one
+        thread in that order: once the last zero-copy part is released, so are
+        the others. Tracking it alone spares a ``threading.Event`` per 1 MiB
+        frame and the setting of it. Parts under pyzmq's copy threshold are
+        copied now and need none. Not ``send_multipart``: no ``zmq.Frame`` kept
+        here (while one lives, libzmq never reports its buffer released).
+        ``zmq.Again`` can only come from the first part (libzmq takes a whole
+        message or none of it).
         """
-        last = len(frames) - 1
-        trackers = [
-            self.socket.send(_untracked(f), _NOBLOCK_MORE if i < last else _NOBLOCK,
-                             copy=False, track=True)
-            for i, f in enumerate(frames)
-        ]
-        return zmq.MessageTracker(*trackers)
+        parts = [_untracked(f) for f in frames]
+        threshold = self.socket.copy_threshold
+        tracked = max((i for i, p in enumerate(parts)
+                       if not threshold or memoryview(p).nbytes >= threshold), default=-1)
+        tracker = zmq.MessageTracker()  # done: nothing zero-copy
+        last = len(parts) - 1
+        for i, part in enumerate(parts):
+            flags = _NOBLOCK_MORE if i < last else _NOBLOCK
+            if i == tracked:
+                tracker = self.socket.send(part, flags, copy=False, track=True)
+            else:
+                self.socket.send(part, flags, copy=False)
+        return tracker
 
     def _check_open(self) -> None:
         if self._closed:
