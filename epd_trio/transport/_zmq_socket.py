@@ -235,7 +235,8 @@ class TrioSocket:
         for i, part in enumerate(parts):
             flags = _NOBLOCK_MORE if i < last else _NOBLOCK
             if i == tracked:
-                tracker = self.socket.send(part, flags, copy=False, track=True)
+                tracker = cast(zmq.MessageTracker,
+                               self.socket.send(part, flags, copy=False, track=True))
             else:
                 self.socket.send(part, flags, copy=False)
         return tracker
