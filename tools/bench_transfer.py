@@ -34,7 +34,10 @@ For each size (MiB: 1, 4, 16, 64, 256, 512; ``--quick``: up to 64) one bfloat16
   against.
 
 The methods take turns, ``--repeat`` times per size, so load drift on a shared
-machine hits all alike; the table shows the median as GB/s (10^9 bytes/s).
+machine hits all alike, in an order reversed every other turn, so that no
+method always follows the same one (a send that returns before libzmq lets go
+of its buffers leaves work to the next method's time); the table shows the
+median as GB/s (10^9 bytes/s).
 
 **Encoder-side copies, counted.** An extra copy of the payload shows up as
 resident memory: the peak RSS (``VmHWM``, reset through
@@ -243,10 +246,11 @@ async def measure(methods: dict[str, Once], sizes: list[int], repeat: int,
             await once(n)
             if name in INTO_DST:
                 assert torch.equal(dst[:n], src[:n]), f"{name} moved the wrong bytes"
-        for _ in range(repeat):
-            for name, once in methods.items():
+        names = list(methods)
+        for r in range(repeat):
+            for name in names if r % 2 == 0 else names[::-1]:  # no method always follows the same one
                 start = time.perf_counter()
-                await once(n)
+                await methods[name](n)
                 times[name].append(time.perf_counter() - start)
         for name in methods:
             gbps[name][size] = n / statistics.median(times[name]) / 1e9

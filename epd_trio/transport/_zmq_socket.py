@@ -27,6 +27,12 @@ _TRACKER_POLL_MAX: Final = 0.005  # seconds; a 64 MiB frame takes ~40 ms on loop
 # take a core from the two libzmq I/O threads moving the bytes (measured on 2 cores, loaded:
 # 16 MiB went at 0.39 x the raw socket with the spin, 0.81 without).
 SPIN_MIN_CORES: Final = 4
+# Plain ints: or-ing pyzmq's flag enums builds a new enum member on every call.
+_NOBLOCK: Final = int(zmq.NOBLOCK)
+_NOBLOCK_MORE: Final = int(zmq.NOBLOCK | zmq.SNDMORE)
+_EVENTS: Final = int(zmq.EVENTS)
+_POLLIN: Final = int(zmq.POLLIN)
+_POLLOUT: Final = int(zmq.POLLOUT)
 
 
 def tracker_spin(cores: int) -> float:
@@ -101,7 +107,7 @@ class TrioSocket:
         self._fd = sock.fileno()
         self._send_lock = trio.Lock()  # FIFO among senders; a message is atomic anyway
         self._recv_lock = trio.Lock()
-        self._sleeping: dict[int, int] = {zmq.POLLIN: 0, zmq.POLLOUT: 0}
+        self._sleeping: dict[int, int] = {_POLLIN: 0, _POLLOUT: 0}
         self._watch: trio.CancelScope | None = None
         self._changed = trio.Event()
         self._closed = False
@@ -124,12 +130,22 @@ class TrioSocket:
         ``ReleaseLedger`` for why small messages are not watched).
         ``TransferTimeout`` when ``timeout`` passes first (a message already
         accepted may still be delivered later).
+
+        A message that libzmq takes at once (room in its queue, no other
+        sender waiting first) and that need not be watched costs no timeout
+        scope and no lock: the common case for one image's embedding.
         """
         if not frames:
             raise ValueError("a ZMQ message has at least one frame")
         nbytes = sum(memoryview(f).nbytes for f in frames)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        tracker = self._send_now(frames)
+        if tracker is not None and self._released.leave_unwatched(tracker, nbytes):
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
         with trio.move_on_after(timeout):
-            tracker = await self._send_nowait_loop(frames)
+            if tracker is None:
+                tracker = await self._send_nowait_loop(frames)
             if not self._released.leave_unwatched(tracker, nbytes):
                 await poll_until(lambda: tracker.done, max_pause=_TRACKER_POLL_MAX,
                                  spin=self._spin)
@@ -137,19 +153,28 @@ class TrioSocket:
         raise TransferTimeout(f"ZMQ send not done within {timeout:g} s")
 
     async def receive_multipart(self) -> list[zmq.Frame]:
-        """The next whole message; frames expose their buffers without a copy."""
+        """The next whole message; frames expose their buffers without a copy.
+
+        One schedule point per message: the wait for it, or one at the end
+        when it was already there.
+        """
         await trio.lowlevel.checkpoint_if_cancelled()
-        async with self._recv_lock:
+        slept = await self._acquire(self._recv_lock)
+        try:
             while True:
                 self._check_open()
+                slept = await self._wait(_POLLIN) or slept
                 try:
-                    frames = self.socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    await self._wait(zmq.POLLIN)
+                    frames = self.socket.recv_multipart(flags=_NOBLOCK, copy=False)
+                except zmq.Again:  # EVENTS said a message was there; look again
                     continue
                 self._after_io()
-                await trio.lowlevel.cancel_shielded_checkpoint()
-                return frames
+                break
+        finally:
+            self._recv_lock.release()
+        if not slept:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        return frames
 
     def close(self, linger_ms: int = 0) -> None:
         """Close now; tasks waiting on this socket get ``trio.ClosedResourceError``."""
@@ -164,59 +189,96 @@ class TrioSocket:
         self.close(linger_ms)
         await trio.lowlevel.checkpoint()
 
+    def _send_now(self, frames: Sequence[FrameLike]) -> zmq.MessageTracker | None:
+        """Queue the message unless another sender is first or libzmq has no room (None)."""
+        self._check_open()
+        if self._send_lock.locked():  # FIFO: a waiting sender holds the lock
+            return None
+        try:
+            tracker = self._send_parts(frames)
+        except zmq.Again:
+            return None
+        self._after_io()
+        return tracker
+
     async def _send_nowait_loop(self, frames: Sequence[FrameLike]) -> zmq.MessageTracker:
-        await trio.lowlevel.checkpoint_if_cancelled()
         async with self._send_lock:
             while True:
                 self._check_open()
                 try:
                     tracker = self._send_parts(frames)
                 except zmq.Again:
-                    await self._wait(zmq.POLLOUT)
+                    await self._wait(_POLLOUT)
                     continue
                 self._after_io()
                 return tracker
 
     def _send_parts(self, frames: Sequence[FrameLike]) -> zmq.MessageTracker:
-        """Queue all parts, tracking each one.
+        """Queue all parts, tracking the last one that goes zero-copy.
 
-        Not ``send_multipart``: it returns the last part's tracker only. And no
-        ``zmq.Frame`` kept here: while one lives, libzmq never reports its
-        buffer released. ``zmq.Again`` can only come from the first part (libzmq
-        takes a whole message or none of it).
+        libzmq writes a message's parts to the wire in order and lets go of
+        each once written (or dropped), and pyzmq reports the releases from one
+        thread in that order: once the last zero-copy part is released, so are
+        the others. Tracking it alone spares a ``threading.Event`` per 1 MiB
+        frame and the setting of it. Parts under pyzmq's copy threshold are
+        copied now and need none. Not ``send_multipart``: no ``zmq.Frame`` kept
+        here (while one lives, libzmq never reports its buffer released).
+        ``zmq.Again`` can only come from the first part (libzmq takes a whole
+        message or none of it).
         """
-        last = len(frames) - 1
-        trackers = [
-            self.socket.send(
-                _untracked(f), zmq.NOBLOCK | (zmq.SNDMORE if i < last else 0),
-                copy=False, track=True,
-            )
-            for i, f in enumerate(frames)
-        ]
-        return zmq.MessageTracker(*trackers)
+        parts = [_untracked(f) for f in frames]
+        threshold = self.socket.copy_threshold
+        tracked = max((i for i, p in enumerate(parts)
+                       if not threshold or memoryview(p).nbytes >= threshold), default=-1)
+        tracker = zmq.MessageTracker()  # done: nothing zero-copy
+        last = len(parts) - 1
+        for i, part in enumerate(parts):
+            flags = _NOBLOCK_MORE if i < last else _NOBLOCK
+            if i == tracked:
+                tracker = cast(zmq.MessageTracker,
+                               self.socket.send(part, flags, copy=False, track=True))
+            else:
+                self.socket.send(part, flags, copy=False)
+        return tracker
 
     def _check_open(self) -> None:
         if self._closed:
             raise trio.ClosedResourceError("the ZMQ socket was closed")
 
-    async def _wait(self, flag: int) -> None:
-        """Return once EVENTS has ``flag``; sleep on the FD only while it hasn't."""
+    async def _wait(self, flag: int) -> bool:
+        """Return once EVENTS has ``flag``; sleep on the FD only while it hasn't.
+
+        True when it slept (a schedule point), False when ``flag`` was already there.
+        """
+        slept = False
         while True:
             self._check_open()
             if self._events() & flag:
-                return
+                return slept
             self._sleeping[flag] += 1
             try:
                 await self._sleep_on_fd()
             finally:
                 self._sleeping[flag] -= 1
+            slept = True
+
+    @staticmethod
+    async def _acquire(lock: trio.Lock) -> bool:
+        """``lock.acquire()`` without its schedule point when the lock is free;
+        True when it waited (a schedule point)."""
+        try:
+            lock.acquire_nowait()
+        except trio.WouldBlock:
+            await lock.acquire()
+            return True
+        return False
 
     def _events(self) -> int:
         """Read EVENTS, waking the sleepers who want what it shows.
 
         Any zmq call (this one included) may consume the edge they sleep on.
         """
-        events = cast(int, self.socket.getsockopt(zmq.EVENTS))
+        events = cast(int, self.socket.getsockopt(_EVENTS))
         if any(n and events & flag for flag, n in self._sleeping.items()):
             self._wake()
         return events

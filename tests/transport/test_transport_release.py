@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import pytest
 import torch
 import trio
+import zmq
 
 from epd_trio.protocol import encode_zmq_message, header_for
 from epd_trio.transport import PullReceiver, PushSocketCache
@@ -102,6 +104,54 @@ async def test_a_socket_with_unreleased_messages_is_not_evicted() -> None:
     assert (stats.open_sockets, stats.evicted) == (2, 0)  # overfilled rather than evicted
     assert 0 < stats.unreleased_bytes <= 64 * MiB
     assert [header.req_id for header, _ in got] == ["a", "b", "c"]
+
+
+async def test_a_watched_send_returns_once_every_part_is_released() -> None:
+    """Only the last zero-copy part is tracked: libzmq lets go of parts in order, so when
+    a watched send returns, pyzmq has already dropped the earlier parts' buffers."""
+    t = torch.arange(2049 * 1024, dtype=torch.int16).view(torch.bfloat16).view(-1, 1024)
+    header = header_for(t, req_id="parts", part_idx=0, num_parts=1, modality="image",
+                        token_counts=[t.shape[0]])
+    frames = encode_zmq_message(header, t, frame_bytes=2 * MiB)  # 2 MiB, 2 MiB, 2 KiB
+    assert [memoryview(f).nbytes for f in frames[1:]] == [2 * MiB, 2 * MiB, 2048]
+    first = weakref.ref(frames[1])
+    async with PullReceiver() as rx, PushSocketCache(release_budget=0) as cache:
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cache.send, rx.last_endpoint, frames, 20.0)
+                _, payload = await rx.receive()
+            del frames
+            assert first() is None  # released before the tracked part
+            assert cache.statistics().unreleased_bytes == 0
+    assert payload is not None
+    assert torch.equal(payload.tensor().view(torch.int16), t.view(torch.int16))
+
+
+def test_libzmq_releases_the_parts_of_a_message_in_order() -> None:
+    """What tracking only the last zero-copy part relies on: whenever a later part of a
+    message is reported released, the earlier ones are too (checked all along the way)."""
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    try:
+        pull.bind("tcp://127.0.0.1:*")
+        push.connect(pull.getsockopt_string(zmq.LAST_ENDPOINT))
+        data = memoryview(bytearray(6 * MiB))
+        trackers = []
+        for _ in range(8):
+            trackers.append([push.send(data[i:i + 2 * MiB], zmq.SNDMORE if i < 4 * MiB else 0,
+                                       copy=False, track=True) for i in range(0, 6 * MiB, 2 * MiB)])
+        for _ in trackers:
+            pull.recv_multipart(copy=False)
+            for parts in trackers:
+                done = [t.done for t in reversed(parts)]  # the later part looked at first
+                assert done == sorted(done), done  # a released part's predecessors are too
+        for parts in trackers:
+            parts[-1].wait(10)
+            assert all(t.done for t in parts)
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()
 
 
 @pytest.mark.parametrize(("cores", "spin"), [(1, 0.0), (2, 0.0), (3, 0.0), (4, SPIN), (64, SPIN)])
