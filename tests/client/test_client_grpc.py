@@ -16,6 +16,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 import torch
 import trio
@@ -23,9 +24,10 @@ import trio
 from conftest import png_bytes
 from epd_trio.client import EncoderClient, RemoteEncodeError, open_encoder_client
 from epd_trio.client.answers import EncoderUnreachable, grpc_failure
+from epd_trio.client.discovery import fetch_encoder_urls
 from epd_trio.config import ClientConfig, EncoderConfig, EngineConfig
 from epd_trio.encoder.server import EncoderServer, serve_encoder
-from epd_trio.errors import EncodeTimeout, PeerUnavailable
+from epd_trio.errors import EncodeTimeout, PeerUnavailable, ProtocolError
 from epd_trio.protocol.grpc_messages import encode_body, encode_message
 
 IMAGES = [png_bytes(56, 56, seed=1), png_bytes(84, 56, seed=2), png_bytes(56, 112, seed=3)]
@@ -209,10 +211,20 @@ def test_encode_message_is_the_inverse_of_encode_body(deliver: dict[str, Any] | 
     assert list(one.zmq.endpoints) == ["tcp://c:3"]
 
 
-def test_config_and_registry_lists_take_grpc_urls() -> None:
+async def test_config_and_registry_lists_take_grpc_urls() -> None:
     assert ClientConfig(encoder_urls=("grpc://e:1",)).encoder_urls == ("grpc://e:1",)
     with pytest.raises(ValueError, match="grpc://"):
         ClientConfig(encoder_urls=("ftp://e:1",))
+    listed = {"encoder_urls": ["grpc://E2:2/", "http://e3:3", "ftp://e4:4"]}
+
+    def registry(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=listed)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(registry)) as http:
+        with pytest.raises(ProtocolError, match="http://, https:// or grpc://"):
+            await fetch_encoder_urls(http, "http://reg:1", 5)
+        listed["encoder_urls"].pop()
+        assert await fetch_encoder_urls(http, "http://reg:1", 5) == ["grpc://e2:2", "http://e3:3"]
 
 
 # ---- Mooncake: an encoder process with --grpc-port ------------------------------------
