@@ -47,8 +47,10 @@ worker threads and do not show up: they are the engine's share anyway).
 
 Usage::
 
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_service.py --quick     # ~2 min, 2 cores
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_service.py             # ~3.5 min, 2 cores
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_service.py --quick     # 2 cores: 7-10 min loaded
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_service.py             # longer (more of each)
+    # only HTTP against gRPC under load:
+    .venv/bin/python tools/bench_service.py --quick --skip-latency --skip-service-load
     # where the service path's time goes:
     .venv/bin/python tools/bench_service.py --skip-throughput --breakdown --profile service inline
     # OpenMP threads sleep instead of spinning when idle:
@@ -464,7 +466,7 @@ def report_faces(runs: dict[str, list[LoadRun]], n: int, concurrency: int, title
 # ---- main -----------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer requests and images (~2 min on 2 cores)")
+    p.add_argument("--quick", action="store_true", help="fewer requests and images")
     p.add_argument("--requests", type=int, default=None,
                    help="latency: measured requests per path (default 200 quick, 500 full)")
     p.add_argument("--warmup", type=int, default=20, help="latency: warm-up requests per path")
