@@ -10,16 +10,30 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Final
 
 import hypercorn.config
+import trio
 from quart import Response
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException
+from quart_trio.wrappers.request import TrioBody, TrioRequest
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from epd_trio.errors import EPDError, PayloadTooLargeError, UnauthorizedError, error_body, http_status
+from epd_trio.protocol.requests import parse_json_body
 
-__all__ = ["BearerAuth", "hypercorn_config", "install_error_handlers", "json_error", "json_response"]
+__all__ = [
+    "OFFLOAD_BODY_BYTES",
+    "BearerAuth",
+    "JoinedBody",
+    "JoinedBodyRequest",
+    "hypercorn_config",
+    "install_error_handlers",
+    "json_error",
+    "json_response",
+    "parse_json_off_loop",
+]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +57,78 @@ class BearerAuth:
         given = (header or "").encode("utf-8", "surrogateescape")
         if not hmac.compare_digest(given, self._expected):
             raise UnauthorizedError(f"{what} needs 'Authorization: Bearer <token>'")
+
+
+# From this size a JSON body is parsed in a worker thread: a 1024 px PNG as a data URI is
+# ~3 MB of JSON, whose parse would hold the event loop (every other request) for milliseconds.
+OFFLOAD_BODY_BYTES: Final = 1 << 20
+
+
+async def parse_json_off_loop(raw: bytes, threads: trio.CapacityLimiter,
+                              parse: Callable[[bytes], dict[str, Any]] = parse_json_body) -> dict[str, Any]:
+    """``parse(raw)``, on a worker thread under ``threads`` when ``raw`` is large."""
+    if len(raw) < OFFLOAD_BODY_BYTES:
+        return parse(raw)
+    return await trio.to_thread.run_sync(parse, raw, limiter=threads)
+
+
+class JoinedBody(TrioBody):
+    """quart-trio's request body, with its chunks kept apart and joined once, when awaited.
+
+    Quart grows one ``bytearray`` chunk by chunk (Hypercorn hands over 64 KiB at a
+    time), re-copying a body of a few MB many times over on the event loop; a list
+    joined once copies it once. Limits, iteration and errors are Quart's.
+    """
+
+    def __init__(self, expected_content_length: int | None, max_content_length: int | None) -> None:
+        super().__init__(expected_content_length, max_content_length)
+        self._chunks: list[bytes] = []
+        self._size = 0
+
+    def append(self, data: bytes) -> None:
+        if not data or self._must_raise is not None:
+            return
+        self._chunks.append(data if type(data) is bytes else bytes(data))
+        self._size += len(data)
+        self._has_data.set()
+        if self._max_content_length is not None and self._size > self._max_content_length:
+            self._must_raise = RequestEntityTooLarge()
+            self.set_complete()
+
+    def _joined(self) -> bytes:
+        data = b"".join(self._chunks)
+        self._chunks = [data] if data else []
+        return data
+
+    async def __anext__(self) -> bytes:
+        if self._must_raise is not None:
+            raise self._must_raise
+        if not self._complete.is_set():
+            await self._has_data.wait()
+        if self._complete.is_set() and not self._chunks:
+            raise StopAsyncIteration()
+        data = self._joined()
+        self.clear()
+        self._has_data.clear()
+        return data
+
+    def __await__(self) -> Any:
+        if self._must_raise is not None:
+            raise self._must_raise
+        yield from self._complete.wait().__await__()
+        if self._must_raise is not None:
+            raise self._must_raise
+        return self._joined()
+
+    def clear(self) -> None:
+        self._chunks = []
+        self._size = 0
+
+
+class JoinedBodyRequest(TrioRequest):
+    """The faces' request class: ``JoinedBody`` bodies."""
+
+    body_class = JoinedBody
 
 
 def json_response(body: Any, status: int = 200) -> Response:

@@ -73,6 +73,8 @@ async def _serve_until_signal(config: EncoderConfig | BootstrapConfig) -> None:
                 async with serve(config) as server:  # type: ignore[operator]
                     started.set()
                     print(f"epd-trio {what} listening on {server.url}", flush=True)
+                    if getattr(server, "grpc", None) is not None:
+                        print(f"epd-trio {what} serving gRPC on {server.grpc.url}", flush=True)
                     await stop.wait()
                     log.info("shutting the %s down gracefully", what)
             if starting.cancelled_caught:

@@ -41,7 +41,11 @@ def test_split_is_per_image_and_other_is_the_rest(bench: ModuleType) -> None:
                             ledger={"preprocess": 1.8, "forward": 2.4, "other": 9.0})
     ms = bench.split_cpu(before, after, images=100)
     assert ms == pytest.approx({"cpu": 20.0, "trio": 5.0, "pre": 8.0, "fwd": 4.0, "zmq": 1.0,
-                                "other": 2.0})
+                                "grpc": 0.0, "other": 2.0})
+    # grpcio's threads are their own place, out of ``other``.
+    with_grpc = bench.split_cpu(bench.CpuSample(10.0, 4.0, 0.5, 0.0, grpc=1.0),
+                                bench.CpuSample(12.0, 4.5, 0.6, 0.0, grpc=1.5), images=100)
+    assert with_grpc["grpc"] == pytest.approx(5.0) and with_grpc["other"] == pytest.approx(9.0)
     # A ledger the server lacks (an older encoder) counts as nothing, never as negative.
     bare = bench.split_cpu(bench.CpuSample(1.0, 0.5, 0.0, 0.0), bench.CpuSample(2.0, 1.0, 0.0, 0.0), 10)
     assert bare["pre"] == bare["fwd"] == 0.0 and bare["other"] == pytest.approx(50.0)
@@ -65,6 +69,19 @@ def test_reading_this_process(bench: ModuleType) -> None:
 
 
 def test_scaling_is_against_the_fewest_workers(bench: ModuleType) -> None:
-    rows = [bench.Row("t", "png", 64, w, rate, {}, 0) for w, rate in ((2, 30.0), (1, 20.0), (4, 50.0))]
+    rows = [bench.Row("t", "http", "png", 64, w, rate, {}, 0) for w, rate in ((2, 30.0), (1, 20.0), (4, 50.0))]
     bench.add_scaling(rows)
     assert [r.scaling for r in rows] == pytest.approx([1.5, 1.0, 2.5])
+
+
+async def test_both_load_generators_reach_a_real_encoder(bench: ModuleType, encoder) -> None:
+    """HTTP and gRPC load, one short window each, against one encoder: answers, no failures."""
+    import trio
+
+    body = bench.encode_body(bench.make_image(32, "png"), "png", "smoke-")
+    async with encoder(grpc_port=0) as (server, http):
+        target = server.grpc.url.removeprefix("grpc://")
+        for load, where in ((bench.run_load, server.url), (bench.run_grpc_load, target)):
+            done, wall, failed = await trio.to_thread.run_sync(load, where, body, 2, 0.5)
+            assert done > 0 and failed == 0 and wall > 0
+        assert (await http.get("/stats")).json()["live_requests"] == 0

@@ -98,6 +98,11 @@ class CpuSample:
     zmq: float  # libzmq's background threads
     children: float  # descendants (live and reaped)
     ledger: dict[str, float] = field(default_factory=dict)  # /stats cpu_seconds
+    grpc: float = 0.0  # grpcio's threads: its asyncio loop ("grpc-loop") and its C core's
+
+
+# grpcio's own thread names (the C core's) and the encoder's gRPC loop thread.
+GRPC_THREADS = ("grpc", "event_engine", "lifeguard")
 
 
 def _read(path: str) -> str | None:
@@ -127,7 +132,7 @@ def read_cpu(pid: int) -> CpuSample:
     if text is None:
         raise RuntimeError(f"the encoder (pid {pid}) is gone")
     _, _, own, reaped = parse_stat(text)
-    main = zmq = 0.0
+    main = zmq = grpc = 0.0
     for tid in os.listdir(f"/proc/{pid}/task"):
         if (stat := _read(f"/proc/{pid}/task/{tid}/stat")) is None:
             continue
@@ -136,8 +141,10 @@ def read_cpu(pid: int) -> CpuSample:
             main = seconds
         elif comm.startswith("ZMQbg"):
             zmq += seconds
+        elif comm.startswith(GRPC_THREADS):
+            grpc += seconds
     live = sum(parse_stat(t)[2] for c in _descendants(pid) if (t := _read(f"/proc/{c}/stat")))
-    return CpuSample(own + reaped + live, main, zmq, reaped + live)
+    return CpuSample(own + reaped + live, main, zmq, reaped + live, grpc=grpc)
 
 
 def split_cpu(before: CpuSample, after: CpuSample, images: int) -> dict[str, float]:
@@ -150,8 +157,9 @@ def split_cpu(before: CpuSample, after: CpuSample, images: int) -> dict[str, flo
         "pre": ledger["preprocess"] * per,
         "fwd": ledger["forward"] * per,
         "zmq": (after.zmq - before.zmq) * per,
+        "grpc": (after.grpc - before.grpc) * per,
     }
-    out["other"] = max(0.0, out["cpu"] - out["trio"] - out["pre"] - out["fwd"] - out["zmq"])
+    out["other"] = max(0.0, out["cpu"] - sum(out[k] for k in ("trio", "pre", "fwd", "zmq", "grpc")))
     return out
 
 
@@ -166,6 +174,7 @@ class Encoder:
         self.proc = subprocess.Popen(cmd, cwd=tree, env={**env, "PYTHONPATH": str(tree)},
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.url = self._wait_listening()
+        self.grpc_target = self._wait_grpc() if "--grpc-port" in args else None
         self.lines: list[str] = []
         threading.Thread(target=self._drain, daemon=True).start()
 
@@ -176,6 +185,12 @@ class Encoder:
             if "listening on " in line:
                 return line.rsplit("listening on ", 1)[1].strip()
         raise RuntimeError("the encoder exited before listening:\n" + "".join(seen[-30:]))
+
+    def _wait_grpc(self) -> str:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            if "serving gRPC on " in line:
+                return line.rsplit("serving gRPC on ", 1)[1].strip().removeprefix("grpc://")
+        raise RuntimeError("the encoder exited before serving gRPC")
 
     def _drain(self) -> None:
         for line in self.proc.stdout:  # type: ignore[union-attr]
@@ -207,7 +222,7 @@ class Encoder:
         status, stats = self.get("/stats")
         ledger = {k: v["seconds"] for k, v in ((stats or {}).get("cpu_seconds") or {}).items()}
         cpu = read_cpu(self.pid)
-        return CpuSample(cpu.total, cpu.main, cpu.zmq, cpu.children, ledger)
+        return CpuSample(cpu.total, cpu.main, cpu.zmq, cpu.children, ledger, cpu.grpc)
 
     def close(self) -> None:
         self.proc.terminate()
@@ -253,6 +268,42 @@ def run_load(url: str, body: tuple[bytes, bytes], concurrency: int, seconds: flo
                     failures[i] += 1
         finally:
             conn.close()
+
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(client, range(concurrency)))
+    return sum(counts), time.monotonic() - started, sum(failures)
+
+
+def run_grpc_load(target: str, body: tuple[bytes, bytes], concurrency: int,
+                  seconds: float) -> tuple[int, float, int]:
+    """``run_load`` over gRPC: ``epd_trio.v1.Encoder/Encode`` with the same item, inline
+    answers, one channel (one HTTP/2 connection) per client thread as HTTP has."""
+    import grpc
+
+    sys.path.insert(0, str(ROOT))
+    from epd_trio.protocol.proto import encoder_pb2 as pb
+    from epd_trio.protocol.proto import encoder_pb2_grpc as pb_grpc
+
+    prefix, suffix = body
+    fields = json.loads(prefix + b"x" + suffix)
+    stop = time.monotonic() + seconds
+    counts, failures = [0] * concurrency, [0] * concurrency
+
+    def client(i: int) -> None:
+        template = pb.EncodeRequest(modality=fields["modality"],
+                                    mm_items=[pb.Item(url=u) for u in fields["mm_items"]])
+        with grpc.insecure_channel(target) as channel:
+            encode = pb_grpc.EncoderStub(channel).Encode
+            n = 0
+            while time.monotonic() < stop:
+                n += 1
+                template.req_id = f"{fields['req_id'][:-1]}{i}-{n}"
+                try:
+                    encode(template, timeout=120)
+                    counts[i] += 1
+                except grpc.RpcError:
+                    failures[i] += 1
 
     started = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
@@ -325,6 +376,7 @@ def standalone_costs(model_dir: Path, image: bytes) -> dict[str, float]:
 @dataclass
 class Row:
     tree: str
+    api: str  # http or grpc
     fmt: str
     size: int
     workers: int
@@ -335,9 +387,10 @@ class Row:
 
 
 def measure_case(encoder: Encoder, pool: concurrent.futures.Executor, body: tuple[bytes, bytes],
-                 concurrency: int, seconds: float) -> tuple[float, dict[str, float], int]:
+                 concurrency: int, seconds: float, api: str = "http") -> tuple[float, dict[str, float], int]:
     before = encoder.sample()
-    done, wall, failed = pool.submit(run_load, encoder.url, body, concurrency, seconds).result()
+    load, target = (run_grpc_load, encoder.grpc_target) if api == "grpc" else (run_load, encoder.url)
+    done, wall, failed = pool.submit(load, target, body, concurrency, seconds).result()
     after = encoder.sample()
     return done / wall, split_cpu(before, after, done), failed
 
@@ -357,6 +410,8 @@ def encoder_args(tree: Path, args: argparse.Namespace, env: dict[str, str]) -> l
             extra.append("--null-forward")
         else:
             print(f"# {tree}: its encoder has no --null-forward: the model's forward runs")
+    if "grpc" in args.api:
+        extra += ["--grpc-port", "0"]
     return [*extra, "--max-pending", str(max(256, 4 * args.concurrency))]
 
 
@@ -372,14 +427,17 @@ def run_workers(workers: int, args: argparse.Namespace, pool: concurrent.futures
             encoder.wait_healthy()
             for body in cases.values():  # warm every shape (processor caches, allocator)
                 pool.submit(run_load, encoder.url, body, 2, args.warmup).result()
-        samples: dict[tuple[Path, str, int], list[tuple[float, dict[str, float], int]]] = {}
-        for _ in range(args.repeats):  # cases and trees take turns, so drift hits them alike
+                if encoder.grpc_target:
+                    pool.submit(run_grpc_load, encoder.grpc_target, body, 2, args.warmup).result()
+        samples: dict[tuple[Path, str, str, int], list[tuple[float, dict[str, float], int]]] = {}
+        for _ in range(args.repeats):  # cases, trees and APIs take turns, so drift hits them alike
             for key, body in cases.items():
                 for tree, encoder in encoders.items():
-                    samples.setdefault((tree, *key), []).append(
-                        measure_case(encoder, pool, body, args.concurrency, args.seconds))
-        for (tree, fmt, size), runs in samples.items():
-            yield Row(tree.name or str(tree), fmt, size, workers,
+                    for api in args.api:
+                        samples.setdefault((tree, api, *key), []).append(
+                            measure_case(encoder, pool, body, args.concurrency, args.seconds, api))
+        for (tree, api, fmt, size), runs in samples.items():
+            yield Row(tree.name or str(tree), api, fmt, size, workers,
                       statistics.median(r[0] for r in runs), medians([r[1] for r in runs]),
                       sum(r[2] for r in runs))
     finally:
@@ -388,7 +446,7 @@ def run_workers(workers: int, args: argparse.Namespace, pool: concurrent.futures
 
 
 # ---- report --------------------------------------------------------------------------
-COLUMNS = ("cpu", "trio", "pre", "fwd", "zmq", "other")
+COLUMNS = ("cpu", "trio", "pre", "fwd", "zmq", "grpc", "other")
 
 
 def print_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
@@ -401,21 +459,22 @@ def print_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
 
 
 def add_scaling(rows: list[Row]) -> None:
-    base: dict[tuple[str, str, int], float] = {}
+    base: dict[tuple[str, str, str, int], float] = {}
     for row in sorted(rows, key=lambda r: r.workers):
-        base.setdefault((row.tree, row.fmt, row.size), row.rate)
-        row.scaling = row.rate / base[(row.tree, row.fmt, row.size)]
+        base.setdefault((row.tree, row.api, row.fmt, row.size), row.rate)
+        row.scaling = row.rate / base[(row.tree, row.api, row.fmt, row.size)]
 
 
 def report(rows: list[Row], alone: dict[tuple[str, int], dict[str, float]]) -> None:
     add_scaling(rows)
     trees = len({r.tree for r in rows}) > 1
-    header = [*(["tree"] if trees else []), "fmt", "size", "W", "img/s", "x W1",
+    apis = len({r.api for r in rows}) > 1
+    header = [*(["tree"] if trees else []), *(["api"] if apis else []), "fmt", "size", "W", "img/s", "x W1",
               *(f"{c} ms" for c in COLUMNS), "decode*", "proc*", "body*", "fail"]
     table = []
-    for r in sorted(rows, key=lambda r: (r.fmt, r.size, r.workers, r.tree)):
+    for r in sorted(rows, key=lambda r: (r.fmt, r.size, r.workers, r.tree, r.api)):
         a = alone.get((r.fmt, r.size), {})
-        table.append([*([r.tree] if trees else []), r.fmt, r.size, r.workers, f"{r.rate:.1f}",
+        table.append([*([r.tree] if trees else []), *([r.api] if apis else []), r.fmt, r.size, r.workers, f"{r.rate:.1f}",
                       f"{r.scaling:.2f}", *(f"{r.ms[c]:.2f}" for c in COLUMNS),
                       *(f"{a.get(k, float('nan')):.2f}" for k in ("decode", "proc", "body")), r.failures])
     print_table(header, table)
@@ -432,8 +491,8 @@ def plot(rows: list[Row], path: Path) -> None:
         print("# matplotlib is not installed: no plot")
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for key in sorted({(r.tree, r.fmt, r.size) for r in rows}):
-        line = sorted((r for r in rows if (r.tree, r.fmt, r.size) == key), key=lambda r: r.workers)
+    for key in sorted({(r.tree, r.api, r.fmt, r.size) for r in rows}):
+        line = sorted((r for r in rows if (r.tree, r.api, r.fmt, r.size) == key), key=lambda r: r.workers)
         label = " ".join(str(k) for k in key if k)
         left.plot([r.workers for r in line], [r.rate for r in line], marker="o", label=label)
         right.plot([r.workers for r in line], [r.ms["cpu"] for r in line], marker="o", label=label)
@@ -464,6 +523,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=1.0, help="seconds of warm-up per case")
     p.add_argument("--tree", type=Path, action="append", help="source tree whose encoder runs "
                    "(repeatable, side by side; default: this one)")
+    p.add_argument("--api", nargs="+", default=["http"], choices=["http", "grpc"],
+                   help="how the load reaches the encoder: HTTP POST /encode and/or gRPC "
+                   "epd_trio.v1.Encoder/Encode (--grpc-port), side by side")
     p.add_argument("--plot", type=Path, help="PNG of images/s and CPU per image (needs matplotlib)")
     args = p.parse_args(argv)
     quick = args.quick

@@ -12,10 +12,18 @@ import dataclasses
 import logging
 from typing import Any
 
+import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 
-from epd_trio._http import BearerAuth, install_error_handlers, json_error, json_response
+from epd_trio._http import (
+    BearerAuth,
+    JoinedBodyRequest,
+    install_error_handlers,
+    json_error,
+    json_response,
+    parse_json_off_loop,
+)
 from epd_trio._version import __version__
 from epd_trio.encoder.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from epd_trio.encoder.profiling import parse_profile_request
@@ -35,8 +43,8 @@ log = logging.getLogger(__name__)
 SAFETENSORS_MIME = "application/vnd.safetensors"
 
 
-async def _body() -> dict[str, Any]:
-    return parse_json_body(await request.get_data(cache=False))
+async def _body(threads: trio.CapacityLimiter) -> dict[str, Any]:
+    return await parse_json_off_loop(await request.get_data(cache=False), threads)
 
 
 def _peek_req_id(body: dict[str, Any]) -> str | None:
@@ -47,6 +55,7 @@ def _peek_req_id(body: dict[str, Any]) -> str | None:
 def create_app(service: EncoderService) -> QuartTrio:
     """One app per service: no module-level state."""
     app = QuartTrio(__name__)
+    app.request_class = JoinedBodyRequest  # large bodies copied once, not per chunk
     app.config["MAX_CONTENT_LENGTH"] = service.config.max_body_bytes
     app.config["BODY_TIMEOUT"] = service.config.request_timeout
     access_control(app, service.config)
@@ -83,7 +92,7 @@ def _routes(app: QuartTrio, service: EncoderService) -> None:
     async def encode() -> Response:
         body: dict[str, Any] = {}
         try:
-            body = await _body()
+            body = await _body(service.deliveries.threads)
             req = parse_encode_request(body, max_items=service.config.max_items)
         except EPDError as exc:
             service.metrics.request("unknown", exc)  # the body's modality is not to be trusted
@@ -101,7 +110,7 @@ def _routes(app: QuartTrio, service: EncoderService) -> None:
 
     @app.post("/send")
     async def send() -> Response:
-        body = await _body()
+        body = await _body(service.deliveries.threads)
         try:
             req = parse_send_request(body)
             nbytes = await service.send(req.req_id, req.part_idx, session=req.session,
@@ -138,7 +147,7 @@ def add_shared_routes(app: QuartTrio, service: EncoderService) -> None:
 
     @app.post("/abort")
     async def abort() -> Response:
-        req = parse_abort_request(await _body())
+        req = parse_abort_request(await _body(service.deliveries.threads))
         return json_response({"req_id": req.req_id, "aborted": await service.abort(req.req_id, req.part_idx)})
 
     @app.get("/model_info")

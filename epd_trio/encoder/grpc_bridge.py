@@ -5,7 +5,11 @@ every RPC's work is a trio task in the gRPC face's nursery, started with
 ``TrioToken.run_sync_soon`` (no thread per call) and answered through an
 asyncio future. An RPC the client cancels, or whose deadline passes, cancels
 that task's cancel scope; the task's own ``finally`` blocks (the service's
-abort of a request scope, its receivers' error notice) run as always.
+abort of a request scope, its receivers' error notice) run as always. Every
+task settles its RPC's future however it ends, a cancellation from outside
+(the gRPC nursery closing) included, so no handler waits for an answer that
+cannot come; a call that arrives once the nursery has closed, or the trio run
+has ended, is refused as ``NotReadyError`` (``UNAVAILABLE``).
 
 ``unary`` wraps a trio handler into a grpcio one: the bearer token from the
 ``authorization`` metadata, the client's deadline handed to the handler, and
@@ -27,7 +31,7 @@ import trio
 from epd_trio._http import BearerAuth
 from epd_trio.errors import AbortedError, DeadlineExceeded, EPDError, NotReadyError, grpc_status_name
 
-__all__ = ["Call", "TrioBridge", "error_status", "unary"]
+__all__ = ["BridgeStatistics", "Call", "TrioBridge", "error_status", "unary"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +46,13 @@ class Call:
 
     deadline: float = math.inf
     method: str = ""
+
+
+@dataclass(frozen=True)
+class BridgeStatistics:
+    calls: int  # started since the bridge opened
+    cancelled: int  # cancelled by their RPC (client cancel or deadline)
+    inflight: int  # trio tasks running for RPCs now
 
 
 class _Pending(Generic[T]):
@@ -82,6 +93,13 @@ class TrioBridge:
         self._nursery = nursery
         self.calls = 0  # started since the bridge opened
         self.cancelled = 0  # cancelled by their RPC (client cancel or deadline)
+        self.inflight = 0  # trio tasks running for RPCs now
+
+    def statistics(self) -> BridgeStatistics:
+        return BridgeStatistics(self.calls, self.cancelled, self.inflight)
+
+    def __repr__(self) -> str:
+        return f"<TrioBridge {self.inflight} in flight, {self.calls} calls, {self.cancelled} cancelled>"
 
     async def run(self, fn: Callable[[], Awaitable[T]], timeout: float | None) -> T:
         """On the asyncio loop: ``await fn()`` in trio, within ``timeout`` seconds if given."""
@@ -113,21 +131,26 @@ class TrioBridge:
     async def _task(self, pending: _Pending[T], fn: Callable[[], Awaitable[T]],
                     timeout: float | None) -> None:
         value: T | None = None
-        error: BaseException | None = None
-        with trio.CancelScope() as scope:
-            pending.cancel_scope = scope
-            if pending.cancelled:
-                scope.cancel()
-            if timeout is not None:
-                scope.deadline = trio.current_time() + timeout
-            try:
-                value = await fn()
-            except Exception as exc:  # handed to the RPC, which maps it to a status
-                error = exc
-        if scope.cancelled_caught:
-            error = AbortedError("the client cancelled the call") if pending.cancelled \
-                else DeadlineExceeded("the call's deadline passed")
-        pending.settle(value, error)
+        # What the RPC hears if a cancellation from outside (the nursery closing) ends us.
+        error: BaseException | None = NotReadyError("the encoder is shutting down")
+        self.inflight += 1
+        try:
+            with trio.CancelScope() as scope:
+                pending.cancel_scope = scope
+                if pending.cancelled:
+                    scope.cancel()
+                if timeout is not None:
+                    scope.deadline = trio.current_time() + timeout
+                try:
+                    value, error = await fn(), None
+                except Exception as exc:  # handed to the RPC, which maps it to a status
+                    error = exc
+            if scope.cancelled_caught:
+                error = AbortedError("the client cancelled the call") if pending.cancelled \
+                    else DeadlineExceeded("the call's deadline passed")
+        finally:
+            self.inflight -= 1
+            pending.settle(value, error)
 
 
 def error_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -13,7 +13,7 @@ from epd_trio._http import BearerAuth
 from epd_trio._version import __version__
 from epd_trio.encoder.grpc_bridge import Call, TrioBridge, unary
 from epd_trio.encoder.service import EncoderService
-from epd_trio.errors import PayloadTooLargeError
+from epd_trio.errors import EPDError, PayloadTooLargeError
 from epd_trio.protocol.grpc_messages import encode_body, meta_message
 from epd_trio.protocol.proto import encoder_pb2 as pb
 from epd_trio.protocol.proto import encoder_pb2_grpc as pb_grpc
@@ -22,6 +22,8 @@ from epd_trio.protocol.requests import parse_abort_request, parse_encode_request
 __all__ = ["SERVICE_NAME", "native_servicer"]
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Encoder"].full_name
+# HTTP's 413 message (``_http.install_error_handlers``); a parity test keeps the two equal.
+BODY_TOO_LARGE = "request body is over the size limit"
 
 
 class _Native:
@@ -30,9 +32,14 @@ class _Native:
 
     async def encode(self, message: pb.EncodeRequest, call: Call) -> pb.EncodeResponse:
         config = self.service.config
-        if message.ByteSize() > config.max_body_bytes:
-            raise PayloadTooLargeError(f"request is over {config.max_body_bytes} bytes")
-        request = parse_encode_request(encode_body(message), max_items=config.max_items)
+        try:
+            # grpcio's own limit is max(256 MiB, --max-body-bytes); ours is HTTP's, with HTTP's words.
+            if message.ByteSize() > config.max_body_bytes:
+                raise PayloadTooLargeError(BODY_TOO_LARGE)
+            request = parse_encode_request(encode_body(message), max_items=config.max_items)
+        except EPDError as exc:
+            self.service.metrics.request("unknown", exc)  # as HTTP: the modality is not to be trusted
+            raise
         answer = await self.service.encode(request, deadline=_deadline(call))
         return pb.EncodeResponse(meta=meta_message(answer.meta), safetensors=answer.body or b"",
                                  nbytes=answer.nbytes or 0)

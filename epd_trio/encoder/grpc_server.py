@@ -7,9 +7,12 @@ through ``grpc_bridge.TrioBridge``. It serves ``sglang.grpc.encoder.SglangEncode
 ``epd_trio.v1.Encoder``, ``grpc.health.v1.Health`` and server reflection.
 
 ``open_grpc_server`` is an ``async with`` block: the thread, its loop and the
-bound port live exactly as long as it. Leaving it stops the server (live
-RPCs get ``grace`` seconds), ends the thread, then cancels what trio work is
-left.
+bound port live exactly as long as it. Leaving it ends the health ``Watch``
+streams, stops the server (live RPCs get ``grace`` seconds; new ones are
+refused), ends the thread, then cancels what trio work is left. A port that
+cannot be bound (in use: ``grpc.so_reuseport`` is off, so another server on
+it is an error, not a silent sharing) fails the start with ``ValueError``,
+which the CLI reports as a start-up error.
 """
 
 from __future__ import annotations
@@ -58,11 +61,12 @@ def _options(service: EncoderService) -> list[tuple[str, Any]]:
             ("grpc.so_reuseport", 0)]  # a busy port is an error, as for HTTP
 
 
-def _add_services(server: grpc.aio.Server, service: EncoderService, bridge: TrioBridge) -> None:
+def _add_services(server: grpc.aio.Server, service: EncoderService, bridge: TrioBridge,
+                  health: HealthServicer) -> None:
     sglang_encoder_pb2_grpc.add_SglangEncoderServicer_to_server(
         grpc_sglang.sglang_servicer(service, bridge), server)
     encoder_pb2_grpc.add_EncoderServicer_to_server(grpc_native.native_servicer(service, bridge), server)
-    health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(service, bridge, SERVICES), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection((*SERVICES, reflection.SERVICE_NAME), server)
 
 
@@ -71,7 +75,8 @@ class _LoopThread:
 
     def __init__(self, service: EncoderService, bridge: TrioBridge, address: str, grace: float) -> None:
         self._token = trio.lowlevel.current_trio_token()
-        self._build: Callable[[grpc.aio.Server], None] = lambda s: _add_services(s, service, bridge)
+        self.health = HealthServicer(service, bridge, SERVICES)
+        self._build: Callable[[grpc.aio.Server], None] = lambda s: _add_services(s, service, bridge, self.health)
         self._options = _options(service)
         self._address = address
         self._grace = grace
@@ -90,9 +95,14 @@ class _LoopThread:
     def stop(self) -> None:
         """From trio: ask the loop to stop the server (idempotent)."""
         self._stopping.set()
-        if self._loop is not None and self._stop is not None:
+        if self._stop is not None:
+            self.call_soon(self._stop.set)
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """From trio: run ``fn`` on the loop, if it still runs."""
+        if self._loop is not None:
             try:
-                self._loop.call_soon_threadsafe(self._stop.set)
+                self._loop.call_soon_threadsafe(fn)
             except RuntimeError:  # already closed
                 pass
 
@@ -103,6 +113,7 @@ class _LoopThread:
             pass
 
     def _main(self) -> None:
+        _name_os_thread("grpc-loop")
         try:
             asyncio.run(self._serve())
         except BaseException as exc:  # noqa: BLE001 - handed to trio, which raises it
@@ -126,7 +137,24 @@ class _LoopThread:
             if not self._stopping.is_set():
                 await self._stop.wait()
         finally:
+            self.health.close()  # endless Watch streams must not hold the stop for its grace
             await server.stop(self._grace)
+
+
+def _name_os_thread(name: str) -> None:
+    """Give this thread an OS name (``top -H``, ``py-spy``, the capacity benchmark's split);
+    Python 3.11 names only its own ``threading`` objects."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as comm:
+            comm.write(name[:15])
+    except OSError:  # not Linux, or /proc read-only: only cosmetic
+        pass
+
+
+async def _wake_on_drain(service: EncoderService, thread: _LoopThread) -> None:
+    """Health ``Watch`` streams hear of a drain at once, not at their next check."""
+    await service.drain_started.wait()
+    thread.call_soon(thread.health.wake)
 
 
 @asynccontextmanager
@@ -142,7 +170,9 @@ async def open_grpc_server(service: EncoderService, host: str, port: int, *,
             with trio.fail_after(START_TIMEOUT):
                 await thread.started.wait()
             if thread.port is None:
-                raise OSError(f"cannot serve gRPC on {address}: {thread.error}") from thread.error
+                raise ValueError(f"cannot serve gRPC on {address} (--grpc-port): {thread.error}") \
+                    from thread.error
+            nursery.start_soon(_wake_on_drain, service, thread)
             shown = f"[{host}]" if ":" in host else host
             log.info("gRPC serving on %s:%d", shown, thread.port)
             yield GrpcServer(f"grpc://{shown}:{thread.port}", thread.port, bridge)

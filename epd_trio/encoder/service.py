@@ -93,6 +93,7 @@ class EncoderService:
                                     fresh=config.health_fresh)
         self._nursery = nursery
         self.draining = False
+        self.drain_started = trio.Event()  # faces that push status (gRPC health Watch) wait on it
         self.metrics = ServiceMetrics(self)
         self.profiler = Profiler(config.profile_dir, nursery)
         # The seam that builds a request's delivery; ``epd_trio.testing`` wraps it.
@@ -237,6 +238,7 @@ class EncoderService:
     async def drain(self) -> None:
         """Stop admitting, give live requests ``drain_timeout`` to finish, cancel the rest."""
         self.draining = True
+        self.drain_started.set()
         with trio.move_on_after(self.config.drain_timeout):
             await self.registry.wait_idle()
         self.registry.cancel_all(NotReadyError("the encoder is shutting down"))

@@ -26,16 +26,16 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from epd_trio._http import json_response
+from epd_trio._http import JoinedBodyRequest, json_response, parse_json_off_loop
 from epd_trio.encoder.app import DATA_PATHS, access_control, add_shared_routes
 from epd_trio.encoder.profiling import parse_profile_request
 from epd_trio.encoder.service import EncoderService
 from epd_trio.errors import EPDError, PayloadTooLargeError, error_body, http_status
-from epd_trio.protocol.requests import parse_json_body
 from epd_trio.protocol.sglang_requests import (
     parse_meta_request,
     parse_receive_url,
@@ -59,14 +59,15 @@ def sglang_error(exc: BaseException, req_id: object = None) -> Response:
                           "req_id": req_id if isinstance(req_id, str) else None}, http_status(exc))
 
 
-async def _body() -> dict[str, Any]:
+async def _body(threads: trio.CapacityLimiter) -> dict[str, Any]:
     raw = await request.get_data(cache=False)
-    return parse_json_body(raw) if raw.strip() not in (b"", b"null") else {}
+    return await parse_json_off_loop(raw, threads) if raw.strip() not in (b"", b"null") else {}
 
 
 def create_sglang_app(service: EncoderService) -> QuartTrio:
     """One app per service: no module-level state."""
     app = QuartTrio(__name__)
+    app.request_class = JoinedBodyRequest  # large bodies copied once, not per chunk
     app.config["MAX_CONTENT_LENGTH"] = service.config.max_body_bytes
     app.config["BODY_TIMEOUT"] = service.config.request_timeout
     access_control(app, service.config, SGLANG_DATA_PATHS)
@@ -85,7 +86,7 @@ def _encode_routes(app: QuartTrio, service: EncoderService) -> None:
     async def encode() -> Response:
         body: dict[str, Any] = {}
         try:
-            body = await _body()
+            body = await _body(service.deliveries.threads)
             req = parse_sglang_encode(body, backend=config.encoder_transfer_backend,
                                       max_items=config.max_items)
         except EPDError as exc:
@@ -103,7 +104,7 @@ def _encode_routes(app: QuartTrio, service: EncoderService) -> None:
 
     @app.post("/scheduler_receive_url")
     async def scheduler_receive_url() -> Response:
-        body = await _body()
+        body = await _body(service.deliveries.threads)
         try:
             reg = parse_receive_url(body)
             await service.deliveries.rendezvous.register(
@@ -118,7 +119,7 @@ def _mooncake_routes(app: QuartTrio, service: EncoderService) -> None:
 
     @app.post("/scheduler_receive_meta_data")
     async def scheduler_receive_meta_data() -> Response:
-        body = await _body()
+        body = await _body(service.deliveries.threads)
         try:
             req_id, part_idx = parse_meta_request(body)
             sizes = await service.deliveries.rendezvous.wait_sizes(req_id, timeout=config.request_timeout)
@@ -128,7 +129,7 @@ def _mooncake_routes(app: QuartTrio, service: EncoderService) -> None:
 
     @app.post("/send")
     async def send() -> Response:
-        body = await _body()
+        body = await _body(service.deliveries.threads)
         try:
             order = parse_sglang_send(body)
             await service.send(order.req_id, order.part_idx, session=order.session,
@@ -149,7 +150,7 @@ def _operation_routes(app: QuartTrio, service: EncoderService) -> None:
 
     @app.route("/start_profile", methods=["GET", "POST"])
     async def start_profile() -> Response:
-        body = await _body()
+        body = await _body(service.deliveries.threads)
         output_dir, num_steps = parse_profile_request({k: body[k] for k in _PROFILE_FIELDS
                                                        if body.get(k) is not None})
         target = service.profiler.start(output_dir, num_steps)

@@ -304,3 +304,25 @@ def test_request_pixel_cap_checks_headers_first(qwen25_path: str) -> None:
         pre.preprocess([png_bytes(60, 60)] * 3, "image")
     with pytest.raises(PayloadTooLargeError, match="pixels together"):  # bombs count by their headers
         pre.preprocess([png_bytes(8, 8), png_header_only(8000, 8000)], "image")
+
+
+async def test_large_data_uris_decode_and_hash_off_the_event_loop() -> None:
+    """From OFFLOAD_BYTES a data URI is decoded (and its content_hash checked) on a worker
+    thread; the bytes and the errors are the same as on the loop."""
+    import hashlib
+
+    from epd_trio.model.media import OFFLOAD_BYTES
+
+    big, small = bytes(range(256)) * (OFFLOAD_BYTES // 256 + 1), b"tiny payload"
+    claimed = {"url": data_uri(big), "content_hash": "sha256:" + hashlib.sha256(big).hexdigest()}
+    async with web_client() as http:
+        loader = MediaLoader(MediaLimits(), http, FakeDNS({}))
+        assert await loader.load([data_uri(small)]) == [small]
+        assert loader.offloaded == 0
+        assert await loader.load([data_uri(big), claimed]) == [big, big]
+        assert loader.offloaded == 3  # two decodes and one hash check
+        wrong = {**claimed, "content_hash": "sha256:" + "0" * 64}
+        with pytest.raises(RequestError, match="item 0: the bytes do not match its content_hash"):
+            await loader.load([wrong])
+        with pytest.raises(RequestError, match="item 0: undecodable base64"):
+            await loader.load(["data:image/png;base64," + "A" * (OFFLOAD_BYTES + 1)])
