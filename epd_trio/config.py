@@ -286,7 +286,8 @@ def _url(raw: str, name: str) -> str:
 class ClientConfig:
     """The encoder client: which encoders, where embeddings arrive, deadlines, pool size."""
 
-    encoder_urls: tuple[str, ...] = _opt((), "encoder base URLs (http://host:port), comma-separated")
+    encoder_urls: tuple[str, ...] = _opt((), "encoder base URLs (http://host:port, or grpc://host:port "
+                                         "for the native gRPC service), comma-separated")
     zmq_bind: str = _opt("tcp://127.0.0.1:0", "where the client's ZMQ PULL socket binds (port 0 picks a free one)")
     zmq_advertise: str | None = _opt(
         None, "the endpoint encoders push to (default: the bound one; port 0 here means the bound port)")
@@ -318,8 +319,8 @@ class ClientConfig:
         if self.pool_bytes < 1:
             raise ValueError(f"pool_bytes must be at least 1, got {self.pool_bytes}")
         for url in self.encoder_urls:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"encoder URL must start with http:// or https://, got {url!r}")
+            if not url.startswith(("http://", "https://", "grpc://")):
+                raise ValueError(f"encoder URL must start with http://, https:// or grpc://, got {url!r}")
 
 
 def flag_name(field_name: str) -> str:

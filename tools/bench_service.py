@@ -1,7 +1,9 @@
-"""Benchmark: the encoder service (HTTP + ZMQ) against the in-process engine.
+"""Benchmark: the encoder service (HTTP + ZMQ, and gRPC) against the in-process engine.
 
 One trio program runs one encoder server (``serve_encoder``, Hypercorn on port
-0), a client (``open_encoder_client``) and, for the baseline, the *same*
+0 and gRPC on port 0), a client (``open_encoder_client``), an httpx client, the
+receiver library's gRPC channel (``GrpcChannels``: grpcio's standard sync
+channel, each call's future bridged into trio) and, for the baseline, the *same*
 engine the server wraps (``server.service.engine``): same model instance,
 same scheduler, same threads, so the difference is the service path alone.
 
@@ -12,7 +14,10 @@ same scheduler, same threads, so the difference is the service path alone.
    * ``service``: ``client.encode({"image": [png]})``: base64 + JSON over
      HTTP, the embedding back over ZMQ into the client's pool;
    * ``inline``: ``POST /encode`` with inline delivery (safetensors body),
-     decoded with ``decode_safetensors``.
+     decoded with ``decode_safetensors``;
+   * ``grpc``: ``epd_trio.v1.Encoder/Encode`` with inline delivery through
+     the gRPC channel, the same safetensors bytes in ``EncodeResponse``,
+     decoded the same way: the HTTP ``inline`` path with gRPC instead of HTTP.
 
    The paths take turns in blocks, so load drift on a shared machine hits
    all of them alike. Target: service p50 - engine p50 <= 3 ms.
@@ -23,20 +28,29 @@ same scheduler, same threads, so the difference is the service path alone.
    shared list, through the engine and through the service in turn. Target:
    service images/s >= 0.9 x engine images/s.
 
+3. **HTTP against gRPC under load** (the same checkpoint and images): at C
+   concurrent tasks (``--faces-concurrency``, default 16) the engine, the
+   ``inline`` HTTP path and the ``grpc`` path take turns (the order rotates
+   each repeat); images/s of each, best run kept. Reported, no target.
+
 Besides wall-clock percentiles the latency table gives each path's CPU time
 per request on the trio thread ("loop cpu": client, HTTP server, service and
 scheduler all run there, so it is the service path's own cost) and in the
 whole process ("proc cpu": with OpenMP threads spinning it is far above the
 wall time, and on a loaded machine that spinning, not our code, makes the
-p99). ``--breakdown`` adds the pieces in between (the request scope without
+p99). The gRPC server runs on its own thread (an asyncio loop) and grpcio
+has threads of its own, so for ``grpc`` "loop cpu" is only the trio side's
+share (client call, bridge task, service); "proc cpu" has all of it. ``--breakdown`` adds the pieces in between (the request scope without
 HTTP, and bare HTTP round trips); ``--profile PATH...`` prints cProfile's
 self time by layer for those paths (the forward and the preprocessing run in
 worker threads and do not show up: they are the engine's share anyway).
 
 Usage::
 
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_service.py --quick     # ~2 min, 2 cores
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_service.py             # ~3.5 min, 2 cores
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_service.py --quick     # 2 cores: 7-10 min loaded
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_service.py             # longer (more of each)
+    # only HTTP against gRPC under load:
+    .venv/bin/python tools/bench_service.py --quick --skip-latency --skip-service-load
     # where the service path's time goes:
     .venv/bin/python tools/bench_service.py --skip-throughput --breakdown --profile service inline
     # OpenMP threads sleep instead of spinning when idle:
@@ -106,7 +120,7 @@ def max_rel_diff(a: Any, b: Any) -> float:
 
 
 # ---- the request paths ------------------------------------------------------
-def request_paths(server: Any, client: Any, http: Any) -> dict[str, Call]:
+def request_paths(server: Any, client: Any, http: Any, grpc: Any) -> dict[str, Call]:
     """``name -> async fn(item)``, one request each.
 
     ``service`` returns nothing (the embedding lives in a pool slot released
@@ -138,6 +152,17 @@ def request_paths(server: Any, client: Any, http: Any) -> dict[str, Call]:
             raise RuntimeError(f"inline /encode answered {response.status_code}: {response.text}")
         return decode_safetensors(response.content)[0]
 
+    async def via_grpc(item: Any) -> Any:
+        body = {"req_id": f"bench-grpc-{next(counter)}", "modality": "image",
+                "mm_items": [to_wire_item(item, "image", 0)], "deliver": {"backend": "inline"}}
+        answer = await grpc.post(server.grpc.url, "/encode", body)
+        if answer.status_code != 200:
+            raise RuntimeError(f"gRPC Encode answered {answer.status_code}: {answer.text}")
+        return decode_safetensors(answer.content)[0]
+
+    async def grpc_floor(item: Any) -> Any:
+        return (await grpc.post(server.grpc.url, "/abort", {"req_id": "bench-none"})).json()
+
     async def scope_only(item: Any) -> Any:
         body = {"req_id": f"bench-scope-{next(counter)}", "modality": "image",
                 "mm_items": [to_wire_item(item, "image", 0)], "deliver": {"backend": "inline"}}
@@ -150,20 +175,24 @@ def request_paths(server: Any, client: Any, http: Any) -> dict[str, Call]:
         return (await http.post(f"{server.url}/abort", json={"req_id": "bench-none"})).json()
 
     return {"engine": via_engine, "service": via_service, "inline": via_inline,
-            "scope": scope_only, "http-get": get_floor,
-            "http-post": post_floor, "service_copy": service_copy}
+            "grpc": via_grpc, "scope": scope_only, "http-get": get_floor,
+            "http-post": post_floor, "grpc-abort": grpc_floor, "service_copy": service_copy}
 
 
-MEASURED = ("engine", "service", "inline")
+MEASURED = ("engine", "service", "inline", "grpc")
 # --breakdown: the pieces in between. ``scope`` is ``service.encode``, the encoder's
-# request scope without HTTP (inline delivery); the other two encode nothing: an
-# HTTP round trip alone (httpx + Hypercorn + Quart), without and with a JSON body.
-BREAKDOWN = ("scope", "http-get", "http-post")
+# request scope without HTTP (inline delivery); the others encode nothing: an HTTP
+# round trip alone (httpx + Hypercorn + Quart), without and with a JSON body, and a
+# gRPC unary round trip alone (an Abort of no request: NOT_FOUND).
+BREAKDOWN = ("scope", "http-get", "http-post", "grpc-abort")
 NOTES = {
     "scope": "service.encode(): request scope, no HTTP",
     "http-get": "GET /model_info: HTTP round trip alone",
     "http-post": "POST /abort (no-op): HTTP + JSON body alone",
+    "grpc-abort": "Abort (no-op, NOT_FOUND): gRPC round trip alone",
 }
+# The transport-only floors: no encode, so no "added" figure against the engine.
+FLOORS = ("http-get", "http-post", "grpc-abort")
 
 
 async def check_same(paths: dict[str, Call], item: Any, names: Sequence[str]) -> dict[str, float]:
@@ -192,7 +221,7 @@ async def measure_latency(paths: dict[str, Call], names: Sequence[str], item: An
     for name in names:
         for _ in range(warmup):
             await paths[name](item)
-    diffs = await check_same(paths, item, [n for n in ("service", "inline", "scope")
+    diffs = await check_same(paths, item, [n for n in ("service", "inline", "grpc", "scope")
                                            if n in names])
     samples: dict[str, list[float]] = {name: [] for name in names}
     loop_cpu = dict.fromkeys(names, 0.0)
@@ -229,9 +258,14 @@ def report_latency(result: LatencyResult, title: str) -> bool | None:
             note = f"target <= +{LATENCY_TARGET_MS:g} ms: {verdict(ok)}"
         elif name == "inline":
             note = f"max rel diff vs engine {result.diffs[name]:.1e}"
+        elif name == "grpc":
+            note = f"max rel diff vs engine {result.diffs[name]:.1e}"
+            if "inline" in result.samples:
+                vs = p50 - statistics.median(result.samples["inline"]) * 1e3
+                note += f"; p50 vs inline HTTP {vs:+.2f} ms"
         elif name in NOTES:
             note = NOTES[name]
-            added = "" if name.startswith("http") else added
+            added = "" if name in FLOORS else added
         rows.append((name, len(ms), f"{min(ms):.2f}", f"{p50:.2f}", f"{percentile(ms, 99):.2f}",
                      f"{statistics.fmean(ms):.2f}", added, f"{result.loop_cpu[name] * 1e3:.2f}",
                      f"{result.proc_cpu[name] * 1e3:.2f}", note))
@@ -239,7 +273,8 @@ def report_latency(result: LatencyResult, title: str) -> bool | None:
     print_table(("path", "n", "min ms", "p50 ms", "p99 ms", "mean ms", "added p50 ms",
                  "loop cpu ms", "proc cpu ms", "note"), rows)
     print("loop cpu: CPU time of the trio thread (client, HTTP server, service, scheduler) per "
-          "request; proc cpu: all threads (forward, preprocessing, OpenMP spinning)")
+          "request (for grpc not the gRPC server's own thread); proc cpu: all threads (forward, "
+          "preprocessing, gRPC threads, OpenMP spinning)")
     print(f"service vs engine: max rel diff {result.diffs.get('service', math.nan):.1e}; this process used "
           f"{result.cpu_share:.0%} of the cores during the runs; {load()}")
     fastest = min(result.samples["engine"]) * 1e3
@@ -254,6 +289,7 @@ _GROUPS = (  # (label, substring of the profiled function's file), first match w
     ("idle: epoll wait", "select.epoll"), ("trio core (scheduling, cancel scopes)", "trio/_core"),
     ("trio other (sockets, threads, sync)", "/trio/"), ("httpx (client)", "/httpx/"),
     ("httpcore (client)", "/httpcore/"), ("h11 (both sides)", "/h11/"),
+    ("grpc (client; the server is on its own thread)", "/grpc/"),
     ("hypercorn (server)", "/hypercorn/"), ("quart_trio", "/quart_trio/"), ("quart", "/quart/"),
     ("werkzeug", "/werkzeug/"), ("epd_trio.client", "epd_trio/client/"),
     ("epd_trio.encoder", "epd_trio/encoder/"), ("epd_trio.transport (zmq)", "epd_trio/transport/"),
@@ -391,10 +427,46 @@ def report_throughput(rows: list[LoadRow], n: int, title: str) -> bool:
     return all_ok
 
 
+# ---- 3: HTTP against gRPC under load ----------------------------------------------
+FACES = ("engine", "inline", "grpc")
+
+
+async def measure_faces(paths: dict[str, Call], engine: Any, items: Sequence[Any], concurrency: int,
+                        repeat: int) -> dict[str, list[LoadRun]]:
+    """``repeat`` rounds of the engine, inline HTTP and gRPC, the order rotating each round."""
+    runs: dict[str, list[LoadRun]] = {name: [] for name in FACES}
+    for rep in range(repeat):
+        order = FACES[rep % len(FACES):] + FACES[:rep % len(FACES)]
+        for name in order:
+            runs[name].append(await closed_loop(paths[name], items, concurrency, engine))
+        print(f"  C={concurrency} rep {rep} ({order[0]} first): " + " | ".join(
+            f"{name} {runs[name][-1].seconds:.2f}s" for name in FACES) + f" | {load()}", flush=True)
+    return runs
+
+
+def report_faces(runs: dict[str, list[LoadRun]], n: int, concurrency: int, title: str) -> None:
+    """Best run of each path; the ratios to the engine and of gRPC to HTTP."""
+    best = {name: min(r, key=lambda run: run.seconds) for name, r in runs.items()}
+    engine_rate = best["engine"].rate(n)
+    rows = []
+    for name in FACES:
+        run = best[name]
+        rows.append((name, concurrency, f"{run.rate(n):.2f}", f"{run.rate(n) / engine_rate:.3f}",
+                     "/".join(f"{n / r.seconds:.2f}" for r in runs[name]),
+                     f"{n / run.batches:.2f}", f"{run.cpu_seconds / n * 1e3:.0f}",
+                     f"{bench_engine.cpu_share(run.cpu_seconds, run.seconds):.0%}"))
+    print(f"\n{title}")
+    print_table(("path", "C", "img/s", "vs engine", "each run img/s", "img/batch", "cpu ms/img",
+                 "cpu"), rows)
+    print(f"grpc/inline HTTP: {best['grpc'].rate(n) / best['inline'].rate(n):.3f} "
+          "(best runs; both answer inline: the same safetensors bytes, in an HTTP body or in "
+          "EncodeResponse)")
+
+
 # ---- main -----------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer requests and images (~2 min on 2 cores)")
+    p.add_argument("--quick", action="store_true", help="fewer requests and images")
     p.add_argument("--requests", type=int, default=None,
                    help="latency: measured requests per path (default 200 quick, 500 full)")
     p.add_argument("--warmup", type=int, default=20, help="latency: warm-up requests per path")
@@ -407,6 +479,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--images", type=int, default=None,
                    help="throughput: images per measurement (default 32 quick, 64 full)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--faces-concurrency", type=int, default=16,
+                   help="throughput: C for the engine / inline HTTP / gRPC table (0: skip it)")
     p.add_argument("--repeat", type=int, default=None,
                    help="throughput: engine/service pairs per C, best kept (default 2 quick, 3 full)")
     p.add_argument("--max-batch-size", type=int, default=None, help="default: the largest C")
@@ -421,6 +495,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-latency", action="store_true")
     p.add_argument("--skip-throughput", action="store_true")
+    p.add_argument("--skip-service-load", action="store_true",
+                   help="throughput: only the engine / inline HTTP / gRPC table")
     p.add_argument("--profile", nargs="+", default=None, choices=MEASURED + BREAKDOWN,
                    metavar="PATH", help="cProfile these latency paths (trio thread) after the runs")
     p.add_argument("--profile-requests", type=int, default=300)
@@ -430,17 +506,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 async def run_server(engine_config: Any, body: Callable[[dict[str, Call], Any], Awaitable[Any]]) -> Any:
-    """An encoder server, a client and an HTTP client; ``body(paths, engine)``."""
+    """An encoder server (HTTP and gRPC), a client, an HTTP client and the client's gRPC
+    channels, all in this process and trio run; ``body(paths, engine)``."""
     import httpx
 
     from epd_trio.client import open_encoder_client
+    from epd_trio.client.grpc_channel import GrpcChannels
     from epd_trio.config import EncoderConfig
     from epd_trio.encoder.server import serve_encoder
 
-    async with serve_encoder(EncoderConfig(port=0, engine=engine_config)) as server, \
+    async with serve_encoder(EncoderConfig(port=0, grpc_port=0, engine=engine_config)) as server, \
             open_encoder_client(encoder_urls=[server.url]) as client, \
-            httpx.AsyncClient(timeout=120) as http:
-        return await body(request_paths(server, client, http), server.service.engine)
+            httpx.AsyncClient(timeout=120) as http, GrpcChannels() as grpc:
+        return await body(request_paths(server, client, http, grpc), server.service.engine)
 
 
 def latency_part(args: argparse.Namespace, tmp: str) -> bool | None:
@@ -470,7 +548,7 @@ def latency_part(args: argparse.Namespace, tmp: str) -> bool | None:
     return report_latency(result, f"latency, tiny model ({time.perf_counter() - t0:.0f}s incl. start):")
 
 
-def throughput_part(args: argparse.Namespace, tmp: str) -> bool:
+def throughput_part(args: argparse.Namespace, tmp: str) -> bool | None:
     import torch
     import trio
 
@@ -488,18 +566,28 @@ def throughput_part(args: argparse.Namespace, tmp: str) -> bool:
     model_dir = bench_engine.prepare_checkpoint(args, spec, tmp)
     items = bench_engine.make_images(n, sizes, args.seed, args.format)
 
-    async def body(paths: dict[str, Call], engine: Any) -> list[LoadRow]:
-        for name in ("engine", "service"):  # warm-up: first forwards, sockets, pool
+    faces_c = args.faces_concurrency
+
+    async def body(paths: dict[str, Call], engine: Any) -> tuple[list[LoadRow], Any]:
+        warm = ("engine", "service", *(("inline", "grpc") if faces_c else ()))
+        for name in warm:  # warm-up: first forwards, sockets, channels, pool
             await closed_loop(paths[name], items[:4], 2, engine)
-        diffs = await check_same(paths, items[0], ("service",))
-        print(f"   service vs engine on image 0: max rel diff {diffs['service']:.1e}", flush=True)
-        return await measure_throughput(paths, engine, items, args.concurrency, repeat)
+        diffs = await check_same(paths, items[0], warm[1:])
+        print("   vs engine on image 0: max rel diff " + ", ".join(
+            f"{name} {diff:.1e}" for name, diff in diffs.items()), flush=True)
+        rows = [] if args.skip_service_load else \
+            await measure_throughput(paths, engine, items, args.concurrency, repeat)
+        faces = await measure_faces(paths, engine, items, faces_c, repeat) if faces_c else None
+        return rows, faces
 
     t0 = time.perf_counter()
     config = EngineConfig(model_path=str(model_dir), dtype=args.dtype, max_batch_size=max_batch)
-    rows = trio.run(run_server, config, body)
-    return report_throughput(rows, n, f"throughput, {spec.name} ({time.perf_counter() - t0:.0f}s "
-                                      f"incl. load and warm-up):")
+    rows, faces = trio.run(run_server, config, body)
+    took = f"{time.perf_counter() - t0:.0f}s incl. load and warm-up"
+    ok = report_throughput(rows, n, f"throughput, {spec.name} ({took}):") if rows else None
+    if faces is not None:
+        report_faces(faces, n, faces_c, f"HTTP against gRPC under load, inline answers, {spec.name}:")
+    return ok
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -3,17 +3,26 @@
 Pure functions over received data (no trio, no I/O), so the client's tasks
 only decide *when* to read and these decide *what it means*. An encoder's
 reported failure keeps its type, message and status (``RemoteEncodeError``);
-anything that breaks the protocol is a ``ProtocolError``.
+anything that breaks the protocol is a ``ProtocolError``. An answer is an
+``httpx.Response`` or a ``grpc_channel.GrpcAnswer``: a gRPC failure is first
+turned into the status and error body the HTTP face would have answered
+(``grpc_failure``, the one place that maps gRPC back onto the error tree).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
-import httpx
-
-from epd_trio.errors import EncodeError, ProtocolError
+import epd_trio.errors as error_tree
+from epd_trio.errors import (
+    GRPC_STATUS,
+    EncodeError,
+    EncodeTimeout,
+    EPDError,
+    PeerUnavailable,
+    ProtocolError,
+)
 from epd_trio.protocol.messages import (
     DTYPE_ITEMSIZE,
     MAX_ERROR_MESSAGE,
@@ -25,11 +34,14 @@ from epd_trio.protocol.payload import Payload
 from epd_trio.protocol.requests import EncodeMeta
 
 __all__ = [
+    "Answer",
+    "EncoderUnreachable",
     "inline_message",
     "RemoteEncodeError",
     "check_message",
     "check_sized_meta",
     "check_sent",
+    "grpc_failure",
     "http_error",
     "parse_meta",
     "parse_sized_meta",
@@ -51,7 +63,55 @@ class RemoteEncodeError(EncodeError):
         self.part_idx = part_idx
 
 
-def http_error(response: httpx.Response, req_id: str, encoder_url: str,
+class Answer(Protocol):
+    """What the checks read of an encoder's answer (``httpx.Response`` has all of it)."""
+
+    @property
+    def status_code(self) -> int: ...
+    @property
+    def content(self) -> bytes: ...
+    @property
+    def text(self) -> str: ...
+    def json(self) -> Any: ...
+
+
+class EncoderUnreachable(PeerUnavailable):
+    """No connection to the encoder could be made, so the call never reached it (a part
+    may move to another encoder, as on an HTTP connect error)."""
+
+
+# gRPC code → the HTTP status it stands for when the error class does not say (first in the table).
+_GRPC_HTTP: Final = {name: status for status, name in reversed(GRPC_STATUS.items())}
+
+
+def grpc_failure(code: str, details: str, error_type: str | None, *, target: str,
+                 req_id: str | None) -> tuple[int, dict[str, Any]]:
+    """A failed RPC as the status and error body the HTTP face would have answered.
+
+    With ``error_type`` (the encoder's ``epd-error-type`` trailer, an ``epd_trio.errors``
+    class name): that class's status when its gRPC code is ``code``, else the code's
+    status (an ``EncodeError`` may carry its own). Without it the call itself failed, and
+    this raises: DEADLINE_EXCEEDED → ``EncodeTimeout`` (the client's deadline is the
+    call's); UNAVAILABLE → ``EncoderUnreachable`` when no connection could be made, else
+    ``PeerUnavailable``. Any other code is answered with the code's status, typed by its name.
+    """
+    if code == "DEADLINE_EXCEEDED":  # ours or the encoder's copy of it: the same deadline
+        raise EncodeTimeout(f"{target}: the gRPC deadline passed ({details[:200]})", req_id=req_id)
+    if error_type:
+        cls = getattr(error_tree, error_type, None) if error_type in error_tree.__all__ else None
+        agrees = isinstance(cls, type) and issubclass(cls, EPDError) and \
+            GRPC_STATUS.get(cls.status_code, "INTERNAL") == code
+        status = cls.status_code if agrees else _GRPC_HTTP.get(code, 500)  # type: ignore[union-attr]
+        return status, {"error": {"type": error_type, "message": details}}
+    if code == "UNAVAILABLE":
+        kind = EncoderUnreachable if "failed to connect" in details.lower() else PeerUnavailable
+        raise kind(f"{target} is unavailable: {details[:200]}", req_id=req_id)
+    if code == "CANCELLED":  # not by us (trio's cancellation would have ended the wait)
+        raise PeerUnavailable(f"{target} cancelled the call: {details[:200]}", req_id=req_id)
+    return _GRPC_HTTP.get(code, 500), {"error": {"type": code, "message": details}}
+
+
+def http_error(response: Answer, req_id: str, encoder_url: str,
                part_idx: int) -> RemoteEncodeError:
     """The encoder's JSON error body as an exception (or what text there was)."""
     error_type, message = "HTTPError", response.text[:500]
@@ -76,12 +136,12 @@ def zmq_error(header: EmbeddingHeader, encoder_url: str) -> RemoteEncodeError:
         part_idx=header.part_idx)
 
 
-def parse_meta(response: httpx.Response, req_id: str, part_idx: int, num_parts: int) -> EncodeMeta:
+def parse_meta(response: Answer, req_id: str, part_idx: int, num_parts: int) -> EncodeMeta:
     """A 200 ``/encode`` answer (extra keys, such as Mooncake's ``nbytes``, are ignored)."""
     return parse_sized_meta(response, req_id, part_idx, num_parts, sized=False)[0]
 
 
-def parse_sized_meta(response: httpx.Response, req_id: str, part_idx: int, num_parts: int, *,
+def parse_sized_meta(response: Answer, req_id: str, part_idx: int, num_parts: int, *,
                      sized: bool = True) -> tuple[EncodeMeta, int]:
     """A 200 Mooncake ``/encode`` answer: the meta and its ``nbytes`` (-1 when not ``sized``)."""
     try:
@@ -143,7 +203,7 @@ def check_sized_meta(meta: EncodeMeta, nbytes: int, modality: str, items: int,
                             f" answer {problem}", req_id=meta.req_id)
 
 
-def check_sent(response: httpx.Response, req_id: str, part_idx: int, nbytes: int,
+def check_sent(response: Answer, req_id: str, part_idx: int, nbytes: int,
                encoder_url: str) -> None:
     """A 200 ``/send`` answer must say it wrote exactly the reserved bytes for that part."""
     try:
@@ -157,7 +217,7 @@ def check_sent(response: httpx.Response, req_id: str, part_idx: int, nbytes: int
                             f" expected {(req_id, part_idx, nbytes)}", req_id=req_id)
 
 
-def inline_message(response: httpx.Response, req_id: str, part: Any, num_parts: int,
+def inline_message(response: Answer, req_id: str, part: Any, num_parts: int,
                    encoder_url: str) -> tuple[EmbeddingHeader, Payload]:
     """An inline (safetensors) answer as the same (header, payload) a ZMQ message gives."""
     tensor, meta = decode_safetensors(response.content)

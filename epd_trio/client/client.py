@@ -1,7 +1,8 @@
 """``EncoderClient``: split a request over encoders, gather the parts, stitch them.
 
-A thin owner of the client's resources (one HTTP client, the ``EmbeddingPool``,
-a PULL socket or a Mooncake engine, one nursery) composing three parts, each
+A thin owner of the client's resources (one HTTP client, one gRPC channel per
+``grpc://`` encoder, the ``EmbeddingPool``, a PULL socket or a Mooncake engine,
+one nursery) composing three parts, each
 with its own ``statistics()``: the ``Router`` (``router``: placement, failover,
 outstanding counts, ``/abort``), the ``Demultiplexer`` (``demux``: ZMQ messages
 to the parts waiting for them) and the ``Discovery`` task (``discovery``: the
@@ -39,6 +40,7 @@ import httpx
 import trio
 
 from epd_trio.client.answers import (
+    Answer,
     check_message,
     check_sized_meta,
     http_error,
@@ -46,10 +48,12 @@ from epd_trio.client.answers import (
     parse_meta,
     parse_sized_meta,
 )
+from epd_trio.client.calls import EncoderCalls
 from epd_trio.client.demux import Demultiplexer
 from epd_trio.client.discovery import Discovery, merge_urls
 from epd_trio.client.inplace import open_registered_engine, write_parts
 from epd_trio.client.items import is_heavy, to_wire_items
+from epd_trio.client.grpc_channel import GrpcChannels
 from epd_trio.client.metrics import ClientMetrics
 from epd_trio.client.pool import EmbeddingPool
 from epd_trio.client.result import (
@@ -119,6 +123,8 @@ class EncoderClient:
         self.mooncake: MooncakeTransport | None = None  # set once open (mooncake only)
         self._transport = http_transport
         self._http: httpx.AsyncClient | None = None
+        self._calls: EncoderCalls | None = None
+        self.grpc = GrpcChannels()  # grpc:// encoders' channels, opened on first use
         self._stack = AsyncExitStack()
         self._closed = False
         self._drained: trio.Event | None = None  # set when the last request is gone, on close
@@ -151,6 +157,7 @@ class EncoderClient:
             timeout = httpx.Timeout(None, connect=self.config.connect_timeout)  # deadlines are ours
             self._http = http = await self._stack.enter_async_context(
                 httpx.AsyncClient(timeout=timeout, transport=self._transport))
+            self._calls = EncoderCalls(http, await self._stack.enter_async_context(self.grpc))
             nursery = await self._stack.enter_async_context(trio.open_nursery())
             if pull is not None:
                 nursery.start_soon(self.demux.run, pull)
@@ -214,8 +221,8 @@ class EncoderClient:
         except BaseException:
             self._failed += 1
             try:
-                if self._http is not None:
-                    await self.router.abort(self._http, req, self.config.abort_timeout)
+                if self._calls is not None:
+                    await self.router.abort(self._calls, req, self.config.abort_timeout)
             finally:
                 # Only now: an encoder may write into the slot until it hears of the abort.
                 if req.slot is not None:
@@ -352,9 +359,9 @@ class EncoderClient:
             if not staged:
                 self.router.settle(state)
 
-    async def _post(self, req: LiveRequest, state: PartState) -> httpx.Response:
-        """POST /encode through the router; its 200 answer, else the encoder's error."""
-        part, http = state.part, self._require_open()
+    async def _post(self, req: LiveRequest, state: PartState) -> Answer:
+        """/encode through the router; its 200 answer, else the encoder's error."""
+        part, calls = state.part, self._require_open()
         deliver = {"backend": self.config.transfer_backend}
         if self.config.transfer_backend == "zmq":
             deliver["endpoint"] = self.endpoint
@@ -363,19 +370,19 @@ class EncoderClient:
             "mm_items": [req.wire[part.modality][i] for i in part.item_indices],
             "num_parts": len(req.parts), "part_idx": part.part_idx, "deliver": deliver,
         }
-        response = await self.router.post(http, req, state, body)
+        response = await self.router.post(calls, req, state, body)
         # A Mooncake 200 leaves the part staged on the encoder until its /send.
         state.answered = response.status_code != 200 or self.mooncake is None
         if response.status_code != 200:
             raise http_error(response, req.req_id, state.encoder_url, part.part_idx)
         return response
 
-    def _require_open(self) -> httpx.AsyncClient:
+    def _require_open(self) -> EncoderCalls:
         if self._closed:
             raise trio.ClosedResourceError("the encoder client is closed")
-        if self._http is None:
+        if self._calls is None:
             raise RuntimeError("use the encoder client in an 'async with' block")
-        return self._http
+        return self._calls
 
 
 def open_encoder_client(config: ClientConfig | None = None, *,

@@ -30,6 +30,9 @@ __all__ = ["Discovery", "DiscoveryStatistics", "fetch_encoder_urls", "merge_urls
 
 log = logging.getLogger(__name__)
 
+# A registry may list gRPC encoders too (epd-trio's own registers http(s) only: it probes /health).
+ENCODER_SCHEMES = ("http", "https", "grpc")
+
 
 def merge_urls(urls: Sequence[str]) -> tuple[str, ...]:
     """``urls`` without trailing slashes or repeats, first occurrence first."""
@@ -119,6 +122,7 @@ def _parse_list(response: httpx.Response, base: str) -> list[str]:
     if not isinstance(urls, list):
         raise ProtocolError(f"registry {base} answered without an 'encoder_urls' list")
     try:
-        return list(dict.fromkeys(normalize_url(url, "encoder url") for url in urls))
+        return list(dict.fromkeys(normalize_url(url, "encoder url", schemes=ENCODER_SCHEMES)
+                                  for url in urls))
     except RequestError as exc:
         raise ProtocolError(f"registry {base} listed a bad URL: {exc.message}") from None

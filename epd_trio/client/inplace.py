@@ -18,6 +18,7 @@ import httpx
 import trio
 
 from epd_trio.client.answers import check_sent, http_error
+from epd_trio.client.calls import EncoderCalls
 from epd_trio.client.pool import EmbeddingPool, Slot
 from epd_trio.client.result import ModalityLayout
 from epd_trio.client.state import LiveRequest, PartState
@@ -37,7 +38,7 @@ async def open_registered_engine(stack: AsyncExitStack, config: ClientConfig,
     return engine
 
 
-async def write_parts(http: httpx.AsyncClient, req: LiveRequest, slot: Slot,
+async def write_parts(calls: EncoderCalls, req: LiveRequest, slot: Slot,
                       layouts: list[ModalityLayout], session: str,
                       settle: Callable[[PartState], None]) -> None:
     """Have every part's encoder write it into ``slot``; failures go to ``req.fail``."""
@@ -45,13 +46,13 @@ async def write_parts(http: httpx.AsyncClient, req: LiveRequest, slot: Slot,
     async with trio.open_nursery() as nursery:
         for layout in layouts:
             for r, offset in layout.placements():
-                nursery.start_soon(_send_part, http, req, states[r.part.part_idx], session,
+                nursery.start_soon(_send_part, calls, req, states[r.part.part_idx], session,
                                    slot.address + offset, settle)
 
 
-async def _send_part(http: httpx.AsyncClient, req: LiveRequest, state: PartState, session: str,
+async def _send_part(calls: EncoderCalls, req: LiveRequest, state: PartState, session: str,
                      address: int, settle: Callable[[PartState], None]) -> None:
-    """POST /send; its 200 answer means the bytes are at ``address``."""
+    """/send (HTTP or gRPC); its 200 answer means the bytes are at ``address``."""
     part = state.part
     assert state.described is not None
     nbytes = state.described.nbytes
@@ -59,7 +60,7 @@ async def _send_part(http: httpx.AsyncClient, req: LiveRequest, state: PartState
             "buffer_address": address, "buffer_length": nbytes}
     try:
         try:
-            response = await http.post(f"{state.encoder_url}/send", json=body)
+            response = await calls.post(state.encoder_url, "/send", body)
         except httpx.HTTPError as exc:
             raise PeerUnavailable(f"{state.encoder_url} failed /send of part {part.part_idx}"
                                   f" of {req.req_id}: {type(exc).__name__}: {exc}",

@@ -21,9 +21,11 @@ from typing import Any
 import httpx
 import trio
 
+from epd_trio.client.answers import Answer, EncoderUnreachable
+from epd_trio.client.calls import EncoderCalls
 from epd_trio.client.routing import Part, pick_fallback, plan_parts
 from epd_trio.client.state import LiveRequest, PartState
-from epd_trio.errors import PeerUnavailable
+from epd_trio.errors import EPDError, PeerUnavailable
 
 __all__ = ["Router", "RouterStatistics"]
 
@@ -85,15 +87,16 @@ class Router:
         self._retries += 1
 
     # ---- I/O ----------------------------------------------------------------------
-    async def post(self, http: httpx.AsyncClient, req: LiveRequest, state: PartState,
-                   body: dict[str, Any]) -> httpx.Response:
-        """POST /encode for one part, whatever its status; a connect error moves the part."""
+    async def post(self, calls: EncoderCalls, req: LiveRequest, state: PartState,
+                   body: dict[str, Any]) -> Answer:
+        """/encode for one part (HTTP or gRPC), whatever its status; a connect error moves
+        the part."""
         tried: list[str] = []
         while True:
             state.posted = True
             try:
-                return await http.post(f"{state.encoder_url}/encode", json=body)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                return await calls.post(state.encoder_url, "/encode", body)
+            except (httpx.ConnectError, httpx.ConnectTimeout, EncoderUnreachable) as exc:
                 state.posted = False  # it never reached that encoder
                 tried.append(state.encoder_url)
                 self._move(state, tried, exc)
@@ -102,7 +105,7 @@ class Router:
                                       f" {req.req_id}: {type(exc).__name__}: {exc}",
                                       req_id=req.req_id) from None
 
-    async def abort(self, http: httpx.AsyncClient, req: LiveRequest, timeout: float) -> None:
+    async def abort(self, calls: EncoderCalls, req: LiveRequest, timeout: float) -> None:
         """Tell encoders to drop the parts they may still work on (best effort, shielded)."""
         targets = [s for s in req.parts if s.posted and not s.answered]
         if not targets:
@@ -111,13 +114,13 @@ class Router:
             scope.deadline = trio.current_time() + timeout
             async with trio.open_nursery() as nursery:
                 for state in targets:
-                    nursery.start_soon(self._abort_one, http, req.req_id, state)
+                    nursery.start_soon(self._abort_one, calls, req.req_id, state)
 
-    async def _abort_one(self, http: httpx.AsyncClient, req_id: str, state: PartState) -> None:
+    async def _abort_one(self, calls: EncoderCalls, req_id: str, state: PartState) -> None:
         body = {"req_id": req_id, "part_idx": state.part.part_idx}
         try:
-            response = await http.post(f"{state.encoder_url}/abort", json=body)
-        except (httpx.HTTPError, RuntimeError) as exc:  # RuntimeError: the client is closed
+            response = await calls.post(state.encoder_url, "/abort", body)
+        except (httpx.HTTPError, EPDError, RuntimeError) as exc:  # RuntimeError: the client is closed
             self._aborts_failed += 1
             log.info("could not abort %s part %d on %s: %s", req_id, state.part.part_idx,
                      state.encoder_url, exc)

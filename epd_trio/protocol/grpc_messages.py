@@ -17,6 +17,7 @@ from epd_trio.protocol.requests import EncodeMeta
 
 __all__ = [
     "encode_body",
+    "encode_message",
     "infer_modality",
     "meta_from_message",
     "meta_message",
@@ -41,6 +42,27 @@ def encode_body(message: pb.EncodeRequest) -> dict[str, Any]:
     elif which == "mooncake":
         body["deliver"] = {"backend": "mooncake", "receive_count": message.mooncake.receive_count or 1}
     return body
+
+
+def encode_message(body: dict[str, Any]) -> pb.EncodeRequest:
+    """The inverse of ``encode_body``: a client's ``/encode`` body as the message it sends
+    over gRPC (one ``deliver.endpoint`` becomes the one-element ``endpoints``)."""
+    items = [pb.Item(url=i["url"], content_hash=i.get("content_hash") or "") if isinstance(i, dict)
+             else pb.Item(url=i) for i in body["mm_items"]]
+    message = pb.EncodeRequest(req_id=body["req_id"], modality=body["modality"], mm_items=items,
+                               num_parts=body.get("num_parts", 1), part_idx=body.get("part_idx", 0),
+                               hashes=body.get("hashes", ()))
+    deliver = body.get("deliver") or {"backend": "inline"}
+    if deliver["backend"] == "zmq":
+        endpoints = deliver.get("endpoints") or [deliver["endpoint"]]
+        message.zmq.CopyFrom(pb.Zmq(endpoints=endpoints))
+    elif deliver["backend"] == "mooncake":
+        message.mooncake.CopyFrom(pb.Mooncake(receive_count=deliver.get("receive_count", 1)))
+    elif deliver["backend"] == "inline":
+        message.inline.CopyFrom(pb.Inline())
+    else:
+        raise ValueError(f"no gRPC form for delivery {deliver['backend']!r}")
+    return message
 
 
 def meta_message(meta: EncodeMeta) -> pb.EncodeMeta:

@@ -19,10 +19,12 @@ MAX_URL_LENGTH = 2048
 _HOSTNAME = re.compile(r"^[a-z0-9_](?:[a-z0-9._-]*[a-z0-9_])?$")
 
 
-def normalize_url(raw: object, what: str = "url") -> str:
+def normalize_url(raw: object, what: str = "url", *,
+                  schemes: tuple[str, ...] = ("http", "https")) -> str:
     """``scheme://host:port[/path]`` with scheme and host lower-cased and no trailing ``/``.
 
-    Accepts http and https only, with a host and an explicit port; refuses
+    Accepts ``schemes`` only (http and https unless told: a client also reads
+    ``grpc://`` encoders), with a host and an explicit port; refuses
     credentials, queries, fragments, whitespace and control characters (any
     of them → ``RequestError``, a 400 on the wire).
     """
@@ -38,8 +40,10 @@ def normalize_url(raw: object, what: str = "url") -> str:
     except ValueError as exc:  # e.g. a bracketed host that is no IPv6 address
         raise RequestError(f"{what} is not a valid URL ({exc}): {shown}") from None
     scheme = parts.scheme.lower()
-    if scheme not in ("http", "https"):
-        raise RequestError(f"{what} must be an http:// or https:// URL, got {shown}")
+    if scheme not in schemes:
+        names = [f"{s}://" for s in schemes]
+        listed = " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+        raise RequestError(f"{what} must be an {listed} URL, got {shown}")
     if "@" in parts.netloc:
         raise RequestError(f"{what} must not carry credentials: {shown}")
     if parts.query or parts.fragment or raw.endswith(("?", "#")):
