@@ -532,7 +532,7 @@ async def serve_trio_asyncio(service: TrioService) -> AsyncIterator[int]:
 
 def purerpc_check() -> str:
     """Whether pip can install purerpc 0.8.0 beside the Hypercorn installed here (dry run)."""
-    from importlib.metadata import version
+    from importlib.metadata import requires, version
 
     with tempfile.TemporaryDirectory() as target:
         command = [sys.executable, "-m", "pip", "install", "--dry-run", "--target",
@@ -543,10 +543,11 @@ def purerpc_check() -> str:
             return "not checked (pip timed out)"
     if done.returncode == 0:
         return "installable beside hypercorn (not measured)"
+    needs = ", ".join(r for r in requires("hypercorn") or [] if r.startswith("h2"))
     for line in done.stdout.splitlines() + done.stderr.splitlines():
         if "purerpc 0.8.0 depends on h2" in line:
             return (f"not installable beside hypercorn {version('hypercorn')} (pins "
-                    f"{line.split('depends on ', 1)[1].strip()}; hypercorn needs h2>=4.3)")
+                    f"{line.split('depends on ', 1)[1].strip()}; hypercorn needs {needs})")
     return f"not installable (pip: {done.stderr.strip().splitlines()[-1:]})"
 
 
