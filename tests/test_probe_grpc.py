@@ -29,7 +29,7 @@ def probe() -> ModuleType:
 
 @pytest.fixture(params=["A", "C"])
 def candidate(request: pytest.FixtureRequest, probe: ModuleType) -> Callable[..., contextlib.AbstractAsyncContextManager[int]]:
-    return probe.CANDIDATES[request.param][1]
+    return probe.CANDIDATES[request.param].serve
 
 
 @contextlib.asynccontextmanager

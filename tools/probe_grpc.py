@@ -16,7 +16,8 @@ gRPC handler, with the standard grpcio client in a separate process (no shared G
 * **E** purerpc: only whether pip can install it beside this Hypercorn (``pip --dry-run``).
 
 Per candidate: unary echo latency (1 client, p50/p99), calls/s with 16 concurrent clients
-(``grpc.aio``, one channel each), whether a client cancel and an expired deadline cancel the trio
+(``grpc.aio``, one channel each) and the server process's CPU per call meanwhile (every thread:
+the bridging cost, whatever the client's own speed), whether a client cancel and an expired deadline cancel the trio
 task of the call (and after how long), and whether ``grpc.health.v1.Health/Watch`` streams a
 first status and then a change pushed later (and the stream's trio side ends on cancel).
 
@@ -122,6 +123,10 @@ class TrioService:
         self._changed = trio.Event()
         return b""
 
+    async def cpu_seconds(self, _: bytes) -> bytes:
+        """The server process's CPU time so far, all threads (what the calls cost it)."""
+        return repr(time.process_time()).encode()
+
     async def wait_no_watchers(self, _: bytes) -> bytes:
         """The number of Watch streams still running on the trio side, after at most ``WAIT_S``."""
         with trio.move_on_after(WAIT_S):
@@ -147,7 +152,7 @@ class TrioService:
     def unary_methods(self) -> dict[str, Callable[[bytes], Awaitable[bytes]]]:
         return {"Echo": self.echo, "Slow": self.slow, "WaitStarted": self.wait_started,
                 "CallInfo": self.call_info, "SetHealth": self.set_health,
-                "WaitNoWatchers": self.wait_no_watchers}
+                "WaitNoWatchers": self.wait_no_watchers, "CpuSeconds": self.cpu_seconds}
 
 
 async def pump(service: TrioService, name: str, scope: trio.CancelScope,
@@ -593,9 +598,15 @@ async def _throughput(target: str, clients: int, seconds: float, payload: bytes)
             await channel.close()
 
 
-def throughput(target: str, clients: int, seconds: float, payload: bytes) -> float:
-    """Calls/s of ``clients`` concurrent grpc.aio clients, each on its own channel."""
-    return asyncio.run(_throughput(target, clients, seconds, payload))
+def throughput(target: str, clients: int, seconds: float, payload: bytes) -> tuple[float, float]:
+    """Calls/s of ``clients`` concurrent grpc.aio clients, each on its own channel, and the
+    server's CPU seconds per call meanwhile (its process, every thread)."""
+    with grpc.insecure_channel(target) as channel:
+        cpu = probe_stub(channel, "CpuSeconds")
+        before = float(cpu(b"", timeout=10))
+        rate = asyncio.run(_throughput(target, clients, seconds, payload))
+        used = float(cpu(b"", timeout=10)) - before
+    return rate, used / (rate * seconds)
 
 
 @dataclass(frozen=True)
@@ -642,11 +653,17 @@ class WatchResult:
     push_s: float
     watchers_left: int
 
-    def cell(self) -> str:
-        if self.statuses != [SERVING, NOT_SERVING]:
-            return f"no (saw {self.statuses})"
-        ends = "trio side ends on cancel" if self.watchers_left == 0 else "trio side LEFT RUNNING"
-        return f"yes, change after {self.push_s * 1000:.1f} ms; {ends}"
+
+
+def watch_cell(results: list[WatchResult]) -> str:
+    """Watches in a row: did each see both statuses, and how many trio sides outlived the cancel."""
+    if any(result.statuses != [SERVING, NOT_SERVING] for result in results):
+        return f"no (saw {[result.statuses for result in results]})"
+    push_ms = statistics.median(result.push_s for result in results) * 1000
+    left = results[-1].watchers_left  # the count is the server's: it adds up over the row
+    ends = (f"trio side ended after each of {len(results)} cancels" if not left
+            else f"trio side LEFT RUNNING after {left} of {len(results)} cancels")
+    return f"yes, change after {push_ms:.1f} ms; {ends}"
 
 
 def watch_probe(target: str) -> WatchResult:
@@ -670,17 +687,25 @@ def watch_probe(target: str) -> WatchResult:
 
 # ---------------------------------------------------------------- the run: one server process each
 
-CANDIDATES: dict[str, tuple[str, Callable[[TrioService], contextlib.AbstractAsyncContextManager[int]]]] = {
-    "A": ("grpc.aio thread + trio tasks (run_sync_soon)", serve_aio_thread),
-    "B": ("grpcio thread pool + trio.from_thread", serve_thread_pool),
-    "C": ("Hypercorn trio worker, gRPC ASGI app (h2c)", serve_hypercorn),
-    "D": ("trio-asyncio loop + grpc.aio", serve_trio_asyncio),
+@dataclass(frozen=True)
+class Candidate:
+    title: str
+    serve: Callable[[TrioService], contextlib.AbstractAsyncContextManager[int]]
+    switch_interval_s: float | None = None  # the server's ``sys.setswitchinterval`` (GIL hand-over)
+
+
+CANDIDATES = {
+    "A": Candidate("grpc.aio thread + trio tasks (run_sync_soon)", serve_aio_thread),
+    "A2": Candidate("A with sys.setswitchinterval(0.0005)", serve_aio_thread, 0.0005),
+    "B": Candidate("grpcio thread pool + trio.from_thread", serve_thread_pool),
+    "C": Candidate("Hypercorn trio worker, gRPC ASGI app (h2c)", serve_hypercorn),
+    "D": Candidate("trio-asyncio loop + grpc.aio", serve_trio_asyncio),
 }
 
 
 async def _serve_until_told(name: str, conn: Any) -> None:
     service = TrioService()
-    async with CANDIDATES[name][1](service) as port:
+    async with CANDIDATES[name].serve(service) as port:
         conn.send(("port", port))
         await trio.to_thread.run_sync(conn.recv)
 
@@ -689,6 +714,8 @@ def server_process(name: str, conn: Any, extra_path: str) -> None:
     """The server of one candidate, in its own (spawned) process."""
     if extra_path:
         sys.path.insert(0, extra_path)
+    if (interval := CANDIDATES[name].switch_interval_s) is not None:
+        sys.setswitchinterval(interval)
     try:
         trio.run(_serve_until_told, name, conn)
     except BaseException as exc:  # reported in the table
@@ -703,6 +730,7 @@ class Row:
     p50_ms: float | None = None
     p99_ms: float | None = None
     calls_s: float | None = None
+    cpu_us: float | None = None
     cancel: str = ""
     deadline: str = ""
     watch: str = ""
@@ -710,19 +738,20 @@ class Row:
 
 
 def measure(name: str, target: str, args: argparse.Namespace) -> Row:
-    row = Row(name, CANDIDATES[name][0])
+    row = Row(name, CANDIDATES[name].title)
     payload = b"x" * 64
     answers, seconds = echo_calls(target, [payload] * (args.calls + 50))
     assert set(answers) == {payload}
     seconds = seconds[50:]  # warm-up
     row.p50_ms = statistics.median(seconds) * 1000
     row.p99_ms = statistics.quantiles(seconds, n=100)[98] * 1000
-    row.calls_s = statistics.median(
-        throughput(target, 16, args.seconds, payload) for _ in range(args.rounds))
+    rounds = [throughput(target, 16, args.seconds, payload) for _ in range(args.rounds)]
+    row.calls_s = statistics.median(rate for rate, _ in rounds)
+    row.cpu_us = statistics.median(cpu for _, cpu in rounds) * 1e6
     row.cancel = cancel_probe(target, None).cell()
     row.deadline = cancel_probe(target, 0.3).cell()
     try:
-        row.watch = watch_probe(target).cell()
+        row.watch = watch_cell([watch_probe(target) for _ in range(args.watches)])
     except grpc.RpcError as exc:
         row.watch = f"no ({exc.code().name})"
     return row
@@ -736,14 +765,14 @@ def run_candidate(name: str, args: argparse.Namespace) -> Row:
     process.start()
     try:
         if not parent.poll(60):
-            return Row(name, CANDIDATES[name][0], note="server did not start in 60 s")
+            return Row(name, CANDIDATES[name].title, note="server did not start in 60 s")
         kind, value = parent.recv()
         if kind == "error":
-            return Row(name, CANDIDATES[name][0], note=f"server failed: {value}")
+            return Row(name, CANDIDATES[name].title, note=f"server failed: {value}")
         try:
             return measure(name, f"127.0.0.1:{value}", args)
         except Exception as exc:
-            return Row(name, CANDIDATES[name][0], note=f"client failed: {type(exc).__name__}: {exc}")
+            return Row(name, CANDIDATES[name].title, note=f"client failed: {type(exc).__name__}: {exc}")
     finally:
         with contextlib.suppress(OSError):
             parent.send("stop")
@@ -760,12 +789,14 @@ def table(rows: list[Row]) -> str:
         return "" if value is None else f"{value:.{digits}f}"
 
     lines = ["| candidate | unary p50 ms | unary p99 ms | calls/s, 16 clients | × A "
-             "| client cancel → trio task | deadline → trio task | health Watch | note |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| server CPU µs/call | client cancel → trio task | deadline → trio task "
+             "| health Watch | note |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         ratio = number(row.calls_s / base) if base and row.calls_s else ""
         lines.append(f"| {row.name}. {row.title} | {number(row.p50_ms)} | {number(row.p99_ms)} "
-                     f"| {number(row.calls_s, 0)} | {ratio} | {row.cancel} | {row.deadline} "
+                     f"| {number(row.calls_s, 0)} | {ratio} | {number(row.cpu_us, 0)} "
+                     f"| {row.cancel} | {row.deadline} "
                      f"| {row.watch} | {row.note} |")
     return "\n".join(lines)
 
@@ -773,12 +804,13 @@ def table(rows: list[Row]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer calls (< 60 s)")
-    parser.add_argument("--candidates", nargs="+", default=["A", "B", "C", "D", "E"],
-                        choices=["A", "B", "C", "D", "E"])
+    names = [*CANDIDATES, "E"]
+    parser.add_argument("--candidates", nargs="+", default=names, choices=names)
     parser.add_argument("--trio-asyncio-path", default="/tmp/probe-trio-asyncio",
                         help="a `pip install --target` folder holding trio-asyncio and greenlet")
     args = parser.parse_args()
-    args.calls, args.seconds, args.rounds = (300, 1.5, 1) if args.quick else (2000, 4.0, 3)
+    args.calls, args.seconds, args.rounds, args.watches = (
+        (300, 1.5, 1, 3) if args.quick else (2000, 4.0, 3, 8))
     rows = []
     for name in args.candidates:
         if name == "E":
