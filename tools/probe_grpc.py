@@ -494,6 +494,9 @@ async def serve_hypercorn(service: TrioService) -> AsyncIterator[int]:
     config.accesslog = None
     config.loglevel = "WARNING"  # no "Running on" line in the table's output
     config.keep_alive_timeout = 3600.0  # grpcio keeps its connection between calls
+    # Hypercorn's default (1000) sends GOAWAY on the 1001st stream of a connection, and grpcio
+    # fails that call with UNAVAILABLE ("GOAWAY received; Error code: 1") instead of retrying it.
+    config.keep_alive_max_requests = 2**62
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         urls = await nursery.start(lambda task_status: serve(
