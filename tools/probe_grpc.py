@@ -7,6 +7,7 @@ gRPC handler, with the standard grpcio client in a separate process (no shared G
 * **A** ``grpc.aio`` server on its own thread and asyncio loop; each call runs as one trio task
   spawned through ``TrioToken.run_sync_soon`` (no thread per call), answered through an asyncio
   future set with ``call_soon_threadsafe``; an asyncio cancellation cancels the task's scope.
+* **A2** A with ``sys.setswitchinterval(0.0005)`` in the server (CPython's default is 5 ms).
 * **B** grpcio's thread-pool server; each handler blocks its thread in ``trio.from_thread.run``;
   cancellation through ``context.add_callback``.
 * **C** Hypercorn's trio worker serving a minimal gRPC ASGI app over h2c (length-prefixed
@@ -21,7 +22,7 @@ the bridging cost, whatever the client's own speed), whether a client cancel and
 task of the call (and after how long), and whether ``grpc.health.v1.Health/Watch`` streams a
 first status and then a change pushed later (and the stream's trio side ends on cancel).
 
-    python tools/probe_grpc.py [--quick] [--candidates A B C D E]
+    python tools/probe_grpc.py [--quick] [--candidates A A2 B C D E]
 """
 
 from __future__ import annotations
