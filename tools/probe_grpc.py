@@ -203,11 +203,11 @@ class AsyncioToTrio:
             with contextlib.suppress(RuntimeError):  # the asyncio loop is closed: nobody waits
                 loop.call_soon_threadsafe(settle, result)
 
-        self._soon(self._spawn, run, lambda exc: loop.call_soon_threadsafe(settle, exc))
+        self._spawn(run, lambda error: loop.call_soon_threadsafe(settle, error))
         try:
             return (await done).unwrap()
         except asyncio.CancelledError:
-            self._soon(scope.cancel, None)
+            self._cancel(scope)
             raise
 
     async def stream(self, service: TrioService, name: str) -> AsyncIterator[object]:
@@ -219,31 +219,29 @@ class AsyncioToTrio:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(updates.put_nowait, item)
 
-        self._soon(self._spawn, functools.partial(pump, service, name, scope, emit),
-                   lambda exc: emit(END))
+        self._spawn(functools.partial(pump, service, name, scope, emit), lambda _: emit(END))
         try:
             while (item := await updates.get()) is not END:
                 yield item
         finally:
-            self._soon(scope.cancel, None)
+            self._cancel(scope)
 
-    def _spawn(self, fn: Callable[[], Awaitable[None]]) -> None:
-        self._nursery.start_soon(fn)
-
-    def _soon(self, fn: Callable[..., None], arg: Any,
-              on_error: Callable[[outcome.Outcome], None] | None = None) -> None:
-        """``fn(arg)`` on the trio thread; errors go to ``on_error`` (never into trio's loop)."""
-        def guarded() -> None:
+    def _spawn(self, fn: Callable[[], Awaitable[None]],
+               on_error: Callable[[outcome.Outcome], None]) -> None:
+        """Start ``fn`` in the trio side's nursery; if the trio side is gone, tell ``on_error``."""
+        def spawn() -> None:
             try:
-                fn() if arg is None else fn(arg)
+                self._nursery.start_soon(fn)
             except RuntimeError as exc:  # the nursery is closed: the server is stopping
-                if on_error is not None:
-                    on_error(outcome.Error(exc))
-        try:
-            self._token.run_sync_soon(guarded)
-        except trio.RunFinishedError as exc:
-            if on_error is not None:
                 on_error(outcome.Error(exc))
+        try:
+            self._token.run_sync_soon(spawn)
+        except trio.RunFinishedError as exc:
+            on_error(outcome.Error(exc))
+
+    def _cancel(self, scope: trio.CancelScope) -> None:
+        with contextlib.suppress(trio.RunFinishedError):  # no trio side, nothing left to cancel
+            self._token.run_sync_soon(scope.cancel)
 
 
 def aio_handlers(service: TrioService,
