@@ -27,27 +27,29 @@ def probe() -> ModuleType:
     return module
 
 
+Serve = Callable[..., contextlib.AbstractAsyncContextManager[int]]
+
+
 @pytest.fixture(params=["A", "C"])
-def candidate(request: pytest.FixtureRequest, probe: ModuleType) -> Callable[..., contextlib.AbstractAsyncContextManager[int]]:
+def candidate(request: pytest.FixtureRequest, probe: ModuleType) -> Serve:
     return probe.CANDIDATES[request.param].serve
 
 
 @contextlib.asynccontextmanager
-async def serving(probe: ModuleType, candidate: Callable[..., contextlib.AbstractAsyncContextManager[int]]
-                  ) -> AsyncIterator[tuple[object, str]]:
+async def serving(probe: ModuleType, candidate: Serve) -> AsyncIterator[tuple[object, str]]:
     service = probe.TrioService()
     async with candidate(service) as port:
         yield service, f"127.0.0.1:{port}"
 
 
-async def test_unary_echo_answers_the_bytes(probe: ModuleType, candidate: Callable) -> None:
+async def test_unary_echo_answers_the_bytes(probe: ModuleType, candidate: Serve) -> None:
     async with serving(probe, candidate) as (service, target):
         payloads = [b"", b"a", bytes(range(256)) * 40]
         answers, _ = await trio.to_thread.run_sync(probe.echo_calls, target, payloads)
     assert answers == payloads
 
 
-async def test_unknown_method_is_an_error_not_a_hang(probe: ModuleType, candidate: Callable) -> None:
+async def test_unknown_method_is_an_error_not_a_hang(probe: ModuleType, candidate: Serve) -> None:
     def call() -> grpc.StatusCode:
         with grpc.insecure_channel(target) as channel:
             with pytest.raises(grpc.RpcError) as caught:
@@ -60,7 +62,7 @@ async def test_unknown_method_is_an_error_not_a_hang(probe: ModuleType, candidat
 
 @pytest.mark.parametrize("deadline_s", [None, 0.2], ids=["client-cancel", "deadline"])
 async def test_the_end_of_the_call_cancels_its_trio_task(
-        probe: ModuleType, candidate: Callable, deadline_s: float | None) -> None:
+        probe: ModuleType, candidate: Serve, deadline_s: float | None) -> None:
     async with serving(probe, candidate) as (service, target):
         result = await trio.to_thread.run_sync(probe.cancel_probe, target, deadline_s)
         [record] = service.calls.values()
@@ -69,7 +71,8 @@ async def test_the_end_of_the_call_cancels_its_trio_task(
     assert result.client_code == ("CANCELLED" if deadline_s is None else "DEADLINE_EXCEEDED")
 
 
-async def test_watch_pushes_a_change_and_ends_on_cancel(probe: ModuleType, candidate: Callable) -> None:
+async def test_watch_pushes_a_change_and_ends_on_cancel(probe: ModuleType,
+                                                        candidate: Serve) -> None:
     async with serving(probe, candidate) as (service, target):
         result = await trio.to_thread.run_sync(probe.watch_probe, target)
         assert service.watchers == 0

@@ -18,9 +18,10 @@ gRPC handler, with the standard grpcio client in a separate process (no shared G
 
 Per candidate: unary echo latency (1 client, p50/p99), calls/s with 16 concurrent clients
 (``grpc.aio``, one channel each) and the server process's CPU per call meanwhile (every thread:
-the bridging cost, whatever the client's own speed), whether a client cancel and an expired deadline cancel the trio
-task of the call (and after how long), and whether ``grpc.health.v1.Health/Watch`` streams a
-first status and then a change pushed later (and the stream's trio side ends on cancel).
+the bridging cost, whatever the client's own speed), whether a client cancel and an expired
+deadline cancel the trio task of the call (and after how long), and whether
+``grpc.health.v1.Health/Watch`` streams a first status and then a change pushed later (and the
+stream's trio side ends on cancel).
 
     python tools/probe_grpc.py [--quick] [--candidates A A2 B C D E]
 """
@@ -378,9 +379,10 @@ async def serve_thread_pool(service: TrioService) -> AsyncIterator[int]:
         server.add_generic_rpc_handlers([
             grpc.method_handlers_generic_handler(
                 SERVICE, {name: method(fn) for name, fn in service.unary_methods().items()}),
-            grpc.method_handlers_generic_handler(HEALTH, {"Watch": grpc.unary_stream_rpc_method_handler(
-                watch, request_deserializer=health_pb2.HealthCheckRequest.FromString,
-                response_serializer=health_pb2.HealthCheckResponse.SerializeToString)})])
+            grpc.method_handlers_generic_handler(HEALTH, {
+                "Watch": grpc.unary_stream_rpc_method_handler(
+                    watch, request_deserializer=health_pb2.HealthCheckRequest.FromString,
+                    response_serializer=health_pb2.HealthCheckResponse.SerializeToString)})])
         port = server.add_insecure_port("127.0.0.1:0")
         server.start()
         try:
@@ -774,7 +776,8 @@ def run_candidate(name: str, args: argparse.Namespace) -> Row:
         try:
             return measure(name, f"127.0.0.1:{value}", args)
         except Exception as exc:
-            return Row(name, CANDIDATES[name].title, note=f"client failed: {type(exc).__name__}: {exc}")
+            note = f"client failed: {type(exc).__name__}: {exc}"
+            return Row(name, CANDIDATES[name].title, note=note)
     finally:
         with contextlib.suppress(OSError):
             parent.send("stop")
