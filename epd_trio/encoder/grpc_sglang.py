@@ -21,7 +21,7 @@ from smg_grpc_proto import sglang_encoder_pb2_grpc as pb_grpc
 from epd_trio._http import BearerAuth
 from epd_trio.encoder.grpc_bridge import Call, TrioBridge, unary
 from epd_trio.encoder.service import EncoderService
-from epd_trio.errors import UnknownRequestError
+from epd_trio.errors import RequestError, UnknownRequestError
 from epd_trio.protocol.grpc_messages import sglang_encode_body
 from epd_trio.protocol.sglang_requests import parse_receive_url, parse_sglang_encode, parse_sglang_send
 
@@ -36,8 +36,9 @@ class _SGLang:
 
     async def encode(self, message: Any, call: Call) -> Any:
         config = self.service.config
-        request = parse_sglang_encode(sglang_encode_body(message),
-                                      backend=config.encoder_transfer_backend, max_items=config.max_items)
+        backend = config.encoder_transfer_backend
+        request = parse_sglang_encode(sglang_encode_body(message, backend), backend=backend,
+                                      max_items=config.max_items)
         answer = await self.service.encode(request, deadline=None if math.isinf(call.deadline) else call.deadline)
         if answer.nbytes is None:
             return pb.EncodeResponse()  # every destination has the part
@@ -45,9 +46,15 @@ class _SGLang:
                                  embedding_dim=answer.meta.dim)
 
     async def send(self, message: Any, call: Call) -> Any:
-        """SGLang's Mooncake write: its message names neither the part nor the size, which
-        are the (one) live part of that request's and the sizes ``Encode`` answered."""
+        """SGLang's Mooncake write. Its message names neither the part nor the size; SGLang's
+        server keeps one staged embedding per ``req_id`` and writes all of it, then releases
+        it: here the one live part of that ``req_id`` (the rendezvous allows one), the size
+        ``Encode`` answered, and ``receive_count`` 1."""
         config, rendezvous = self.service.config, self.service.deliveries.rendezvous
+        if config.encoder_transfer_backend != "mooncake":
+            raise RequestError(f"Send is the mooncake transfer backend's; this encoder serves "
+                               f"{config.encoder_transfer_backend}, whose Encode delivers",
+                               req_id=message.req_id or None)
         parts = [s.part_idx for s in self.service.registry.live() if s.req_id == message.req_id]
         if not parts:
             raise UnknownRequestError(f"no live request {message.req_id!r}", req_id=message.req_id)
