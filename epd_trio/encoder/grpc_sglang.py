@@ -1,13 +1,18 @@
 """``sglang.grpc.encoder.SglangEncoder`` (smg-grpc-proto 0.4.28), as SGLang 0.5.23 serves it.
 
 Same behaviour as SGLang's ``grpc_server.py`` on the same runtime as the
-SGLang HTTP face: ``Encode`` takes the unsuffixed request id; an empty
-``embedding_port`` is zmq_to_scheduler's rendezvous (each rank calls
-``SchedulerReceiveUrl``), ``[port, …]`` pushes to those ports on
-``prefill_host``; it answers once every destination has the part, or for
-mooncake with the sizes. SGLang's proto has no modality field and SGLang
-encodes images only; here the items say what they are (``data:video/…``,
-``.wav``, …; image otherwise) and a request that mixes modalities is refused.
+SGLang HTTP face: ``Encode`` takes the unsuffixed request id and is checked
+with SGLang's rules and messages first; an empty ``embedding_port`` is
+zmq_to_scheduler's rendezvous (each rank calls ``SchedulerReceiveUrl``),
+``[port, …]`` pushes to those ports on ``prefill_host`` (zmq_to_tokenizer: the
+first, as SGLang); it answers once every destination has the part, or for
+mooncake with the sizes, and ``Send`` then writes the part and releases it.
+SGLang's proto has no modality field and SGLang encodes images only; here the
+items say what they are (``data:video/…``, ``.wav``, …; image otherwise) and a
+request that mixes modalities is refused (INVALID_ARGUMENT). Errors are the
+one error tree's statuses (``grpc_bridge``), where SGLang has only
+INVALID_ARGUMENT and INTERNAL; a failed part also pushes SGLang's error frame
+to its destinations.
 """
 
 from __future__ import annotations
