@@ -26,7 +26,7 @@ from smg_grpc_proto import sglang_encoder_pb2_grpc as pb_grpc
 from epd_trio._http import BearerAuth
 from epd_trio.encoder.grpc_bridge import Call, TrioBridge, unary
 from epd_trio.encoder.service import EncoderService
-from epd_trio.errors import RequestError, UnknownRequestError
+from epd_trio.errors import ConflictError, RequestError, UnknownRequestError
 from epd_trio.protocol.grpc_messages import sglang_encode_body
 from epd_trio.protocol.sglang_requests import parse_receive_url, parse_sglang_encode, parse_sglang_send
 
@@ -53,8 +53,10 @@ class _SGLang:
     async def send(self, message: Any, call: Call) -> Any:
         """SGLang's Mooncake write. Its message names neither the part nor the size; SGLang's
         server keeps one staged embedding per ``req_id`` and writes all of it, then releases
-        it: here the one live part of that ``req_id`` (the rendezvous allows one), the size
-        ``Encode`` answered, and ``receive_count`` 1."""
+        it: here the one live part of that ``req_id`` (the rendezvous allows one; while a
+        second is being refused, ALREADY_EXISTS), the size ``Encode`` answered, and
+        ``receive_count`` 1. Unlike SGLang's server, which answers OK without writing, a
+        ``Send`` for no live part is NOT_FOUND."""
         config, rendezvous = self.service.config, self.service.deliveries.rendezvous
         if config.encoder_transfer_backend != "mooncake":
             raise RequestError(f"Send is the mooncake transfer backend's; this encoder serves "
@@ -63,9 +65,12 @@ class _SGLang:
         parts = [s.part_idx for s in self.service.registry.live() if s.req_id == message.req_id]
         if not parts:
             raise UnknownRequestError(f"no live request {message.req_id!r}", req_id=message.req_id)
+        if len(parts) > 1:  # the rendezvous is failing all but one: which one is not known yet
+            raise ConflictError(f"parts {sorted(parts)} of {message.req_id!r} are live; SGLang's "
+                                "Send names no part", req_id=message.req_id)
         sizes = await rendezvous.wait_sizes(message.req_id, timeout=config.send_timeout)
         order = parse_sglang_send({
-            "req_id": message.req_id, "part_idx": min(parts), "session_id": message.session_id,
+            "req_id": message.req_id, "part_idx": parts[0], "session_id": message.session_id,
             "buffer_address": message.buffer_address, "embedding_size": sizes["embedding_size"],
             "prefill_host": message.prefill_host, "embedding_port": message.embedding_port,
             "receive_count": 1})
