@@ -274,6 +274,26 @@ async def test_an_encoder_failure_is_a_status_and_an_error_frame(
     assert after["live_requests"] == 0
 
 
+@pytest.mark.parametrize("backend", ["zmq_to_tokenizer", "zmq_to_scheduler"])
+async def test_embedding_ports(encoder: Any, backend: str) -> None:
+    """SGLang's server: zmq_to_tokenizer pushes to the first port only, zmq_to_scheduler to each."""
+    first, second = image_uri(56, 56, seed=1), image_uri(84, 56, seed=2)
+    async with encoder(api="sglang", grpc_port=0, encoder_transfer_backend=backend) as (server, _), \
+            rank() as a, rank() as b:
+        both = await call(server, encode(req_id="p1", num_parts=1, mm_items=[first],
+                                         prefill_host="127.0.0.1", embedding_port=[a.port, b.port]))
+        got_a = await a.receive()
+        if backend == "zmq_to_tokenizer":  # b's next message is p2's: it never had p1's
+            await call(server, encode(req_id="p2", num_parts=1, mm_items=[second],
+                                      prefill_host="127.0.0.1", embedding_port=[b.port]))
+        got_b = await b.receive()
+        local = [(await server.service.engine.encode([i], "image")).embedding for i in (first, second)]
+    sizes = [e.numel() * e.element_size() for e in local]
+    assert both == pb.EncodeResponse() and sizes[0] != sizes[1]
+    assert len(got_a[1]) == sizes[0]
+    assert len(got_b[1]) == sizes[1 if backend == "zmq_to_tokenizer" else 0]
+
+
 # ---- beyond SGLang: the items say their modality -------------------------------------------
 @pytest.mark.parametrize("item, modality", [
     ("data:image/png;base64,AAAA", "image"), ("data:VIDEO/mp4;base64,AAAA", "video"),
