@@ -41,7 +41,7 @@ from smg_grpc_proto import sglang_encoder_pb2 as pb
 from smg_grpc_proto import sglang_encoder_pb2_grpc as pb_grpc
 
 import sglang_expected as ref
-from conftest import image_uri, png_bytes, random_image
+from conftest import image_uri, random_image
 from epd_trio.encoder.grpc_server import MESSAGE_LIMIT
 from epd_trio.errors import RequestError
 from epd_trio.model.samples import sample_video
