@@ -30,11 +30,14 @@ echo "installing SGLang's receiver code into $TARGET (about 50 MB of wheels)" >&
 rm -rf "$TARGET"
 "$PY" -m pip install --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
     --target "$TARGET" -r "$REQ"
-# The receiver module and the encoder's registration code must import on CPU
-# with exactly this list plus the venv; otherwise the list is wrong: say so.
+# The receiver module, the encoder's registration code and its gRPC server (whose
+# grpcio and smg-grpc-proto are the project's own dependencies, in the venv) must
+# import on CPU with exactly this list plus the venv; otherwise the list is wrong: say so.
 if ! PYTHONPATH="$TARGET" PYTHONWARNINGS=ignore "$PY" -c '
 import sglang.srt.disaggregation.encoder.receiver
 import sglang.srt.disaggregation.encoder.http_server
+import sglang.srt.disaggregation.encoder.grpc_server
+from sglang.srt.disaggregation.encoder.receiver import MMReceiverGrpc, WaitingZmqRequestGrpc
 ' >/dev/null; then
     echo "SGLang does not import from $TARGET with $PY: fix tools/sglang-requirements.txt" >&2
     exit 1

@@ -1,13 +1,18 @@
 """``sglang.grpc.encoder.SglangEncoder`` (smg-grpc-proto 0.4.28), as SGLang 0.5.23 serves it.
 
 Same behaviour as SGLang's ``grpc_server.py`` on the same runtime as the
-SGLang HTTP face: ``Encode`` takes the unsuffixed request id; an empty
-``embedding_port`` is zmq_to_scheduler's rendezvous (each rank calls
-``SchedulerReceiveUrl``), ``[port, …]`` pushes to those ports on
-``prefill_host``; it answers once every destination has the part, or for
-mooncake with the sizes. SGLang's proto has no modality field and SGLang
-encodes images only; here the items say what they are (``data:video/…``,
-``.wav``, …; image otherwise) and a request that mixes modalities is refused.
+SGLang HTTP face: ``Encode`` takes the unsuffixed request id and is checked
+with SGLang's rules and messages first; an empty ``embedding_port`` is
+zmq_to_scheduler's rendezvous (each rank calls ``SchedulerReceiveUrl``),
+``[port, …]`` pushes to those ports on ``prefill_host`` (zmq_to_tokenizer: the
+first, as SGLang); it answers once every destination has the part, or for
+mooncake with the sizes, and ``Send`` then writes the part and releases it.
+SGLang's proto has no modality field and SGLang encodes images only; here the
+items say what they are (``data:video/…``, ``.wav``, …; image otherwise) and a
+request that mixes modalities is refused (INVALID_ARGUMENT). Errors are the
+one error tree's statuses (``grpc_bridge``), where SGLang has only
+INVALID_ARGUMENT and INTERNAL; a failed part also pushes SGLang's error frame
+to its destinations.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from smg_grpc_proto import sglang_encoder_pb2_grpc as pb_grpc
 from epd_trio._http import BearerAuth
 from epd_trio.encoder.grpc_bridge import Call, TrioBridge, unary
 from epd_trio.encoder.service import EncoderService
-from epd_trio.errors import UnknownRequestError
+from epd_trio.errors import ConflictError, RequestError, UnknownRequestError
 from epd_trio.protocol.grpc_messages import sglang_encode_body
 from epd_trio.protocol.sglang_requests import parse_receive_url, parse_sglang_encode, parse_sglang_send
 
@@ -36,8 +41,9 @@ class _SGLang:
 
     async def encode(self, message: Any, call: Call) -> Any:
         config = self.service.config
-        request = parse_sglang_encode(sglang_encode_body(message),
-                                      backend=config.encoder_transfer_backend, max_items=config.max_items)
+        backend = config.encoder_transfer_backend
+        request = parse_sglang_encode(sglang_encode_body(message, backend), backend=backend,
+                                      max_items=config.max_items)
         answer = await self.service.encode(request, deadline=None if math.isinf(call.deadline) else call.deadline)
         if answer.nbytes is None:
             return pb.EncodeResponse()  # every destination has the part
@@ -45,15 +51,26 @@ class _SGLang:
                                  embedding_dim=answer.meta.dim)
 
     async def send(self, message: Any, call: Call) -> Any:
-        """SGLang's Mooncake write: its message names neither the part nor the size, which
-        are the (one) live part of that request's and the sizes ``Encode`` answered."""
+        """SGLang's Mooncake write. Its message names neither the part nor the size; SGLang's
+        server keeps one staged embedding per ``req_id`` and writes all of it, then releases
+        it: here the one live part of that ``req_id`` (the rendezvous allows one; while a
+        second is being refused, ALREADY_EXISTS), the size ``Encode`` answered, and
+        ``receive_count`` 1. Unlike SGLang's server, which answers OK without writing, a
+        ``Send`` for no live part is NOT_FOUND."""
         config, rendezvous = self.service.config, self.service.deliveries.rendezvous
+        if config.encoder_transfer_backend != "mooncake":
+            raise RequestError(f"Send is the mooncake transfer backend's; this encoder serves "
+                               f"{config.encoder_transfer_backend}, whose Encode delivers",
+                               req_id=message.req_id or None)
         parts = [s.part_idx for s in self.service.registry.live() if s.req_id == message.req_id]
         if not parts:
             raise UnknownRequestError(f"no live request {message.req_id!r}", req_id=message.req_id)
+        if len(parts) > 1:  # the rendezvous is failing all but one: which one is not known yet
+            raise ConflictError(f"parts {sorted(parts)} of {message.req_id!r} are live; SGLang's "
+                                "Send names no part", req_id=message.req_id)
         sizes = await rendezvous.wait_sizes(message.req_id, timeout=config.send_timeout)
         order = parse_sglang_send({
-            "req_id": message.req_id, "part_idx": min(parts), "session_id": message.session_id,
+            "req_id": message.req_id, "part_idx": parts[0], "session_id": message.session_id,
             "buffer_address": message.buffer_address, "embedding_size": sizes["embedding_size"],
             "prefill_host": message.prefill_host, "embedding_port": message.embedding_port,
             "receive_count": 1})

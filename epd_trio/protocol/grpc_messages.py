@@ -14,6 +14,7 @@ from typing import Any, Final
 from epd_trio.errors import RequestError
 from epd_trio.protocol.proto import encoder_pb2 as pb
 from epd_trio.protocol.requests import EncodeMeta
+from epd_trio.protocol.sglang_requests import sglang_validation_error
 
 __all__ = [
     "encode_body",
@@ -92,32 +93,42 @@ def infer_modality(items: list[str]) -> str:
     """What SGLang's modality-free gRPC ``Encode`` items are: each ``data:`` URI's MIME type
     or a URL's or path's file extension; image when nothing says otherwise (SGLang's only
     case). Items that say different modalities are refused: one modality per request."""
-    seen = {_item_modality(item) for item in items} - {None}
-    if len(seen) > 1:
-        raise RequestError(f"mm_items mix modalities ({', '.join(sorted(seen))}); "  # type: ignore[arg-type]
-                           "send one Encode per modality")
-    return seen.pop() if seen else "image"  # type: ignore[return-value]
+    said: dict[str, list[int]] = {}
+    for index, item in enumerate(items):
+        if (modality := _item_modality(item)) is not None:
+            said.setdefault(modality, []).append(index)
+    if len(said) > 1:
+        which = "; ".join(f"{m}: item{'s' if len(i) > 1 else ''} {', '.join(map(str, i))}"
+                          for m, i in sorted(said.items()))
+        raise RequestError(f"mm_items mix modalities ({which}); SGLang's Encode carries one "
+                           "modality: send one Encode per modality")
+    return next(iter(said), "image")
 
 
 def _item_modality(item: str) -> str | None:
     if item.startswith("data:"):
         mime = item[5:].split(";", 1)[0].split(",", 1)[0].strip().lower()
     else:
-        mime = (mimetypes.guess_type(item.split("?", 1)[0])[0] or "").lower()
+        mime = (mimetypes.guess_type(item.split("?", 1)[0].split("#", 1)[0])[0] or "").lower()
     return next((m for prefix, m in _MODALITY_PREFIXES.items() if mime.startswith(prefix)), None)
 
 
-def sglang_encode_body(message: Any) -> dict[str, Any]:
+def sglang_encode_body(message: Any, backend: str) -> dict[str, Any]:
     """SGLang's ``sglang.grpc.encoder.EncodeRequest`` → its HTTP ``/encode`` body.
 
-    ``embedding_port`` empty means zmq_to_scheduler's rendezvous (the ranks call
-    ``SchedulerReceiveUrl``); otherwise the listed ports on ``prefill_host``.
+    SGLang's own checks see its request first (modality ``IMAGE``, as its gRPC
+    server sets it), so their messages come first; then the items say the
+    modality. ``embedding_port`` empty means zmq_to_scheduler's rendezvous (the
+    ranks call ``SchedulerReceiveUrl``); otherwise the listed ports on
+    ``prefill_host`` — for zmq_to_tokenizer the first only, as SGLang's server.
     """
     items = list(message.mm_items)
-    body: dict[str, Any] = {"req_id": message.req_id, "modality": infer_modality(items),
-                            "mm_items": items, "num_parts": message.num_parts,
-                            "part_idx": message.part_idx}
-    if message.embedding_port:
+    body: dict[str, Any] = {"req_id": message.req_id, "modality": "IMAGE", "mm_items": items,
+                            "num_parts": message.num_parts, "part_idx": message.part_idx}
+    if sglang_validation_error(body) is None:
+        body["modality"] = infer_modality(items)
+    ports = list(message.embedding_port)
+    if ports:
         body["prefill_host"] = message.prefill_host
-        body["embedding_port"] = list(message.embedding_port)
+        body["embedding_port"] = ports[:1] if backend == "zmq_to_tokenizer" else ports
     return body

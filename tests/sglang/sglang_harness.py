@@ -105,13 +105,13 @@ class LanguageServer:
     logs) goes to a file the failure message quotes.
     """
 
-    def __init__(self, env: SGLangEnv, workdir: Path) -> None:
+    def __init__(self, env: SGLangEnv, workdir: Path, extra_env: dict[str, str] | None = None) -> None:
         self._workdir = workdir
         self._log = workdir / "sglang-language-side.log"
         self._count = 0
         # Loopback only; Mooncake over TCP; no GPU embedding pool (SGLang's default would be one).
         environ = {**env.environ(), "SGLANG_HOST_IP": "127.0.0.1", "MOONCAKE_PROTOCOL": "tcp",
-                   "MC_FORCE_TCP": "1", "SGLANG_EMBEDDING_POOL_SIZE_MB": "0"}
+                   "MC_FORCE_TCP": "1", "SGLANG_EMBEDDING_POOL_SIZE_MB": "0", **(extra_env or {})}
         with self._log.open("wb") as log:
             self._process = subprocess.Popen(env.command("serve"), env=environ, stdin=subprocess.PIPE,
                                              stdout=subprocess.PIPE, stderr=log, text=True)

@@ -138,14 +138,16 @@ class LanguageSide:
         self._tokenizers: dict[str, Any] = {}
 
     def _receiver(self, backend: str, *, scheduler: Any) -> Any:
-        from sglang.srt.disaggregation.encoder.receiver import MMReceiverHTTP
+        """SGLang's own choice of receiver class: ``SGLANG_ENCODER_MM_RECEIVER_MODE``
+        (``http``, its default: ``MMReceiverHTTP``; ``grpc``: ``MMReceiverGrpc``)."""
+        from sglang.srt.disaggregation.encoder.receiver import create_mm_receiver
         from sglang.srt.runtime_context import get_disagg
         from sglang.srt.server_args import ServerArgs
 
         args = ServerArgs(model_path="dummy", device="cpu", language_only=True,
                           encoder_transfer_backend=backend)
         with get_disagg().override(encoder_transfer_backend=backend):
-            made = MMReceiverHTTP(args, dtype=torch.float32, scheduler=scheduler, encode_urls=[])
+            made = create_mm_receiver(args, dtype=torch.float32, scheduler=scheduler, encode_urls=[])
         made.mm_processor = RecordingProcessor()
         return made
 
@@ -227,7 +229,9 @@ def run_scheduler_request(side: LanguageSide, command: dict[str, Any]) -> dict[s
     ``order``: ``encode_first`` (SGLang's usual order: dispatch, then the ranks
     register) or ``register_first`` (the ranks' ``/scheduler_receive_url`` reach
     the encoder before its ``/encode``); ``wait_for`` holds the second step
-    until the encoder's ``/stats`` shows the first arrived.
+    until the encoder's ``/stats`` shows the first arrived. ``dispatch``: ``sglang``
+    (its ``send_encode_request``) or ``direct`` (``encode_in_thread``: gRPC's
+    ``MMReceiverGrpc.encode`` without the argument it does not take).
     """
     backend, urls = command["backend"], command["urls"]
     tokenizer = side.tokenizer(backend)
@@ -251,18 +255,29 @@ def run_scheduler_request(side: LanguageSide, command: dict[str, Any]) -> dict[s
         for url, path, minimum in command.get("wait_for", []):
             wait_for_stat(url, path, minimum)
 
-    if command.get("order") == "register_first":
-        # What _send_encode_request does, with SGLang's own steps, the thread started later.
+    register_first = command.get("order") == "register_first"
+    if register_first or command.get("dispatch") == "direct":
+        # What _send_encode_request does, with SGLang's own steps, the thread started here.
         mm_data = tokenizer._extract_url_data(obj)
         obj.need_wait_for_mm_inputs = True
         obj.num_items_assigned = tokenizer._assign_items_by_modality(mm_data, len(urls))
         obj.encoder_urls = list(urls)
-        start_ranks()
-        hold()
         ready = threading.Event()
-        threading.Thread(target=tokenizer._run_encode_in_thread, daemon=True, args=(
-            obj.rid, mm_data, "encode", obj.num_items_assigned, list(urls), None, ready,
-            on_dispatch_error)).start()
+        args = (obj.rid, mm_data, "encode", obj.num_items_assigned, list(urls))
+
+        def dispatch() -> None:
+            if command.get("dispatch") == "direct":
+                encode_in_thread(tokenizer, *args, ready, on_dispatch_error)
+            else:
+                tokenizer._run_encode_in_thread(*args, None, ready, on_dispatch_error)
+
+        if register_first:
+            start_ranks()
+            hold()
+        threading.Thread(target=dispatch, daemon=True).start()
+        if not register_first:
+            hold()
+            start_ranks()
     else:
         ready = tokenizer.send_encode_request(obj, on_dispatch_error=on_dispatch_error)
         assert ready is not None, "SGLang did not dispatch the request"
@@ -276,6 +291,30 @@ def run_scheduler_request(side: LanguageSide, command: dict[str, Any]) -> dict[s
             time.sleep(0.01)
     assigned = {m.name: list(v) for m, v in obj.num_items_assigned.items()}
     return {"ranks": per_rank, "dispatch_errors": dispatch_errors, "assigned": assigned}
+
+
+def encode_in_thread(tokenizer: Any, rid: str, mm_data: Any, endpoint: str, assigned: Any,
+                     urls: list[str], ready: threading.Event, on_dispatch_error: Any) -> None:
+    """SGLang's ``_run_encode_in_thread`` minus its ``time_stats_json`` argument.
+
+    SGLang 0.5.23's dispatch passes it to ``encode``, which ``MMReceiverGrpc.encode``
+    does not take (an upstream bug: its gRPC zmq_to_scheduler dispatch always fails).
+    This calls that ``encode`` as the dispatch would without it; the rest is the same.
+    """
+    from http import HTTPStatus
+
+    from sglang.srt.managers.io_struct import EncoderDispatchErrorReq
+
+    try:
+        error = asyncio.run(tokenizer.encode(req_id=rid, mm_data=mm_data, embedding_port=None,
+                                             endpoint_encode=endpoint, num_items_assigned=assigned,
+                                             encode_urls=urls))
+    except Exception as exc:
+        error = EncoderDispatchErrorReq(rid=rid, error_msg=str(exc),
+                                        error_code=int(HTTPStatus.BAD_GATEWAY))
+    if error is not None and on_dispatch_error is not None:
+        ready.wait()
+        on_dispatch_error(error)
 
 
 def tick_until_done(ranks: list[Any], pending: list[Any], errors: queue.Queue[Any]
