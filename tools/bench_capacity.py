@@ -35,7 +35,10 @@ average is printed before and after: on a shared machine, read the CPU
 columns, not images/s. ``--tree DIR`` (repeatable) runs the same cases
 against the encoder of another source tree (e.g. an older commit's worktree),
 side by side: all trees' encoders are up at once (an idle one costs nothing)
-and their windows take turns. Each window costs the server one ``/stats``
+and their windows take turns. ``--api http grpc`` sends the same load over
+gRPC too (``--grpc-port``; ``epd_trio.v1.Encoder/Encode``, inline answers, one
+channel per client thread), side by side; ``grpc`` is then grpcio's threads
+(its C core's and the encoder's ``grpc-loop``). Each window costs the server one ``/stats``
 call (~1 ms of trio-thread CPU), negligible beside a window's requests.
 
 Usage::
@@ -44,6 +47,8 @@ Usage::
     .venv/bin/python tools/bench_capacity.py --null-forward --workers 1 2 4 8 16 --plot cap.png
     # the trio thread's cost per small request, this tree against an older one:
     .venv/bin/python tools/bench_capacity.py --sizes 64 --formats png --workers 1 --tree . --tree ../base
+    # the same requests over HTTP and over gRPC:
+    .venv/bin/python tools/bench_capacity.py --quick --null-forward --api http grpc --sizes 64 1024
 
 Benchmarks report; they do not assert.
 """

@@ -105,6 +105,8 @@ step bench_preprocess 100 "$PY" tools/bench_preprocess.py --quick --workers 1 4 
 # Everything but the model: images/s and server CPU per image against preprocessing workers.
 step bench_capacity 75 "$PY" tools/bench_capacity.py --quick --null-forward --formats jpeg \
     --sizes 64 448 --workers 1 4 16 --repeats 1 --plot "$LOGS/capacity.png"
+# ZMQ against the raw socket at 1-64 MiB on a quiet many-core host (issue 17's 0.8 x raw target).
+step bench_transfer 40 "$PY" tools/bench_transfer.py --quick --skip-mooncake --plot ''
 
 # ---- the compact table -----------------------------------------------------------
 {
@@ -123,5 +125,7 @@ step bench_capacity 75 "$PY" tools/bench_capacity.py --quick --null-forward --fo
     sed -n '/^path /,/^$/p;/^configuration /,/^$/p' "$LOGS/bench_production.log" || true
     echo; echo "-- capacity (null forward; CPU ms per image):"
     sed -n '/^ *fmt /,/^(CPU/p' "$LOGS/bench_capacity.log" || true
+    echo; echo "-- transfers (ratio to the raw socket):"
+    grep -E '^zmq tcp: ' "$LOGS/bench_transfer.log" || echo "(no summary)"
 } | tee "$LOGS/summary.txt"
 exit $FAILED
