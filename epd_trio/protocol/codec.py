@@ -16,7 +16,6 @@ from typing import Any, Final, cast
 import msgpack
 import safetensors
 from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 import torch
 
 from epd_trio.errors import ProtocolError, error_body, http_status
@@ -193,8 +192,27 @@ def encode_safetensors(embedding: torch.Tensor, metadata: Mapping[str, Any]) -> 
     }
     if "extras" in checked:
         strings["extras"] = json.dumps(checked["extras"], allow_nan=False)
-    t = embedding.detach().cpu().contiguous()
-    return save_safetensors({"embedding": t}, metadata=strings)
+    return _write_safetensors(embedding.detach().cpu().contiguous(), strings)
+
+
+_ST_NAMES: Final = {torch_dtype: name for name, torch_dtype in (
+    ("BF16", torch.bfloat16), ("F16", torch.float16), ("F32", torch.float32))}
+
+
+def _write_safetensors(tensor: torch.Tensor, metadata: Mapping[str, str]) -> bytes:
+    """One-tensor safetensors file, written directly: the 8-byte header length, the JSON
+    header padded with spaces to 8 bytes, the tensor's bytes. ``safetensors.torch.save``
+    writes the same format, but its per-call work (numpy conversions, several copies) cost
+    a small inline answer more than the rest of its delivery; here the bytes are copied once.
+    """
+    data = tensor.view(torch.uint8).numpy() if tensor.numel() else b""
+    head = json.dumps({
+        "__metadata__": dict(metadata),
+        "embedding": {"dtype": _ST_NAMES[tensor.dtype], "shape": list(tensor.shape),
+                      "data_offsets": [0, tensor.numel() * tensor.element_size()]},
+    }, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    return b"".join((len(head).to_bytes(8, "little"), head, data))
 
 
 def decode_safetensors(data: bytes) -> tuple[torch.Tensor, dict[str, Any]]:

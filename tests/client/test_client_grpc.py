@@ -135,6 +135,8 @@ async def test_a_cancel_and_a_timeout_end_the_scopes_on_the_encoder(qwen25_path:
                 await client.encode({"image": IMAGES[:1]}, timeout=1.5)
             await wait_idle([server])
             assert_clean(client)
+            # 0 or 1: the call's own gRPC deadline and the client's timeout race to end it.
+            timed_out = client.grpc.statistics().cancelled
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(client.encode, {"image": IMAGES[:1]})
@@ -144,7 +146,8 @@ async def test_a_cancel_and_a_timeout_end_the_scopes_on_the_encoder(qwen25_path:
                 nursery.cancel_scope.cancel()
             await wait_idle([server])
             assert_clean(client)
-            assert client.grpc.statistics().cancelled == 2  # both Encode calls, cancelled here
+            assert timed_out <= 1
+            assert client.grpc.statistics().cancelled == timed_out + 1  # the caller's cancel
             assert client.statistics().requests_failed == 2
 
 

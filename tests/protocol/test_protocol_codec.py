@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
@@ -323,6 +324,35 @@ def test_safetensors_body_opens_with_any_reader(tmp_path: Any) -> None:
         meta = f.metadata()
     assert meta["req_id"] == "inline-1" and json.loads(meta["grid_thw"]) == [[2, 4, 4]]
     assert json.loads(meta["part_idx"]) == 0 and json.loads(meta["token_counts"]) == [3]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(12, 20), (1, 3), (7, 1)])
+def test_our_safetensors_writer_equals_the_librarys(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    """The body is written without ``safetensors.torch.save``: the library reads it to the same
+    tensor and metadata as its own file, and its header is padded to 8 bytes as the format asks."""
+    from safetensors.torch import load, save
+
+    t = random_bits(shape, dtype, seed=3)
+    ours = encode_safetensors(t, st_metadata(t))
+    size = int.from_bytes(ours[:8], "little")
+    assert size % 8 == 0 and ours[8:9] == b"{" and len(ours) == 8 + size + t.numel() * t.element_size()
+    strings = {k: v if isinstance(v, str) else json.dumps(v) for k, v in st_metadata(t).items()}
+    theirs = save({"embedding": t}, metadata=strings)
+    assert torch.equal(bits(load(ours)["embedding"]), bits(load(theirs)["embedding"]))
+    with _opened(ours) as f:
+        assert f.metadata() == strings
+
+
+@contextlib.contextmanager
+def _opened(body: bytes) -> Iterator[Any]:
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".safetensors") as file:
+        file.write(body)
+        file.flush()
+        with safetensors.safe_open(file.name, "pt") as f:
+            yield f
 
 
 def test_encode_safetensors_refuses_bad_metadata() -> None:
