@@ -32,7 +32,12 @@ import trio
 
 from epd_trio.client.answers import grpc_failure
 from epd_trio.errors import ProtocolError, RequestError
-from epd_trio.protocol.grpc_messages import encode_message, meta_from_message
+from epd_trio.protocol.grpc_messages import (
+    ERROR_TYPE_KEY,
+    MESSAGE_LIMIT,
+    encode_message,
+    meta_from_message,
+)
 from epd_trio.protocol.proto import encoder_pb2 as pb
 from epd_trio.protocol.proto import encoder_pb2_grpc as pb_grpc
 
@@ -40,11 +45,8 @@ __all__ = ["GRPC_SCHEME", "GrpcAnswer", "GrpcChannelStatistics", "GrpcChannels"]
 
 GRPC_SCHEME: Final = "grpc://"
 # The encoder's own limits (its server takes messages up to 256 MiB, as SGLang's does).
-_MAX_MESSAGE: Final = 256 << 20
-_OPTIONS: Final = (("grpc.max_send_message_length", _MAX_MESSAGE),
-                   ("grpc.max_receive_message_length", _MAX_MESSAGE))
-# The trailer the encoder names its error class in (``encoder.grpc_bridge``).
-_ERROR_TYPE_KEY: Final = "epd-error-type"
+_OPTIONS: Final = (("grpc.max_send_message_length", MESSAGE_LIMIT),
+                   ("grpc.max_receive_message_length", MESSAGE_LIMIT))
 
 
 @dataclass(frozen=True)
@@ -155,7 +157,7 @@ class GrpcChannels:
             return to_answer(future.result(), url)
         trailers = dict(future.trailing_metadata() or ())
         status, error = grpc_failure(future.code().name, future.details() or "",
-                                     trailers.get(_ERROR_TYPE_KEY), target=f"{url} {method}",
+                                     trailers.get(ERROR_TYPE_KEY), target=f"{url} {method}",
                                      req_id=body.get("req_id"))
         return GrpcAnswer(status, body=error)
 

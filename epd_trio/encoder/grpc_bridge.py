@@ -30,14 +30,13 @@ import trio
 
 from epd_trio._http import BearerAuth
 from epd_trio.errors import AbortedError, DeadlineExceeded, EPDError, NotReadyError, grpc_status_name
+from epd_trio.protocol.grpc_messages import ERROR_TYPE_KEY
 
 __all__ = ["BridgeStatistics", "Call", "TrioBridge", "error_status", "unary"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-# The trailing-metadata key that names the error's class, so a client can rebuild it.
-ERROR_TYPE_KEY = "epd-error-type"
 
 
 @dataclass(frozen=True)
@@ -46,6 +45,11 @@ class Call:
 
     deadline: float = math.inf
     method: str = ""
+
+    @property
+    def request_deadline(self) -> float | None:
+        """The deadline as ``EncoderService.encode`` takes it (None: the client set none)."""
+        return None if math.isinf(self.deadline) else self.deadline
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ HTTP face's; only the shape of the answer differs (``encoder.proto``).
 
 from __future__ import annotations
 
-import math
 
 from epd_trio._http import BearerAuth
 from epd_trio._version import __version__
@@ -40,7 +39,7 @@ class _Native:
         except EPDError as exc:
             self.service.metrics.request("unknown", exc)  # as HTTP: the modality is not to be trusted
             raise
-        answer = await self.service.encode(request, deadline=_deadline(call))
+        answer = await self.service.encode(request, deadline=call.request_deadline)
         return pb.EncodeResponse(meta=meta_message(answer.meta), safetensors=answer.body or b"",
                                  nbytes=answer.nbytes or 0)
 
@@ -66,10 +65,6 @@ class _Native:
             random_weights=info.random_weights,
             embedding_layout=[pb.LayoutBlock(name=n, width=w) for n, w in info.embedding_layout],
             embedding_description=info.embedding_description, version=__version__)
-
-
-def _deadline(call: Call) -> float | None:
-    return None if math.isinf(call.deadline) else call.deadline
 
 
 def native_servicer(service: EncoderService, bridge: TrioBridge) -> pb_grpc.EncoderServicer:

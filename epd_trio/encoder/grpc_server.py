@@ -35,13 +35,13 @@ from epd_trio.encoder import grpc_native, grpc_sglang
 from epd_trio.encoder.grpc_bridge import TrioBridge
 from epd_trio.encoder.grpc_health import HealthServicer
 from epd_trio.encoder.service import EncoderService
+from epd_trio.protocol.grpc_messages import MESSAGE_LIMIT
 from epd_trio.protocol.proto import encoder_pb2_grpc
 
 __all__ = ["GrpcServer", "MESSAGE_LIMIT", "SERVICES", "open_grpc_server"]
 
 log = logging.getLogger(__name__)
 
-MESSAGE_LIMIT: Final = 256 << 20  # SGLang's gRPC encoder's, both directions
 START_TIMEOUT: Final = 30.0  # binding and starting the server; then it is an error
 SERVICES: Final = (grpc_sglang.SERVICE_NAME, grpc_native.SERVICE_NAME, health_pb2.DESCRIPTOR
                    .services_by_name["Health"].full_name)

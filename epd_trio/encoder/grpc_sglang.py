@@ -17,7 +17,6 @@ to its destinations.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from smg_grpc_proto import sglang_encoder_pb2 as pb
@@ -44,7 +43,7 @@ class _SGLang:
         backend = config.encoder_transfer_backend
         request = parse_sglang_encode(sglang_encode_body(message, backend), backend=backend,
                                       max_items=config.max_items)
-        answer = await self.service.encode(request, deadline=None if math.isinf(call.deadline) else call.deadline)
+        answer = await self.service.encode(request, deadline=call.request_deadline)
         if answer.nbytes is None:
             return pb.EncodeResponse()  # every destination has the part
         return pb.EncodeResponse(embedding_size=answer.nbytes, embedding_len=answer.meta.tokens,

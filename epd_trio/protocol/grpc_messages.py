@@ -17,6 +17,8 @@ from epd_trio.protocol.requests import EncodeMeta
 from epd_trio.protocol.sglang_requests import sglang_validation_error
 
 __all__ = [
+    "ERROR_TYPE_KEY",
+    "MESSAGE_LIMIT",
     "encode_body",
     "encode_message",
     "infer_modality",
@@ -25,6 +27,10 @@ __all__ = [
     "sglang_encode_body",
 ]
 
+# The trailing-metadata key in which a failed call names its error class (both ends read it).
+ERROR_TYPE_KEY: Final = "epd-error-type"
+# Largest gRPC message either end sends (SGLang's gRPC encoder's, both directions).
+MESSAGE_LIMIT: Final = 256 << 20
 _MODALITY_PREFIXES: Final = {"image/": "image", "video/": "video", "audio/": "audio"}
 
 
