@@ -63,6 +63,9 @@ class ZmqDelivery:
         """The sockets belong to the encoder's cache, not to one request."""
 
     async def _send_all(self, frames: Sequence[Any]) -> None:
+        if len(self.endpoints) == 1:  # the common case: no nursery, no task per message
+            await self._send(self.endpoints[0], frames)
+            return
         try:
             async with trio.open_nursery() as nursery:
                 for endpoint in self.endpoints:

@@ -13,7 +13,6 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Final, cast
 
-import msgpack
 import safetensors
 from safetensors.torch import load as load_safetensors
 import torch
@@ -22,9 +21,13 @@ from epd_trio.errors import ProtocolError, error_body, http_status
 from epd_trio.protocol.messages import (
     DTYPES,
     MAX_ERROR_MESSAGE,
+    MAX_HEADER_BYTES,
+    PROTOCOL_VERSION,
     Dtype,
     EmbeddingHeader,
     ErrorInfo,
+    decode_header,
+    encode_header,
     header_from_map,
     header_to_map,
 )
@@ -53,24 +56,22 @@ TORCH_DTYPES: Final[Mapping[str, torch.dtype]] = MappingProxyType(
 _ST_DTYPES: Final[Mapping[str, str]] = MappingProxyType(
     {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 )
-# A real header is a few hundred bytes (a long video adds ~20 bytes per item).
-MAX_HEADER_BYTES: Final = 1 << 20
-_UNPACK_LIMITS: Final[Mapping[str, int]] = MappingProxyType(
-    dict(max_str_len=MAX_HEADER_BYTES, max_bin_len=0, max_array_len=1 << 16, max_map_len=32,
-         max_ext_len=0)
-)
 _ST_META_KEYS: Final = ("req_id", "part_idx", "num_parts", "modality", "token_counts", "grid_thw")
 _ST_JSON_KEYS: Final = frozenset({"part_idx", "num_parts", "token_counts", "grid_thw", "extras"})
 # Optional: written only when non-empty, so a v1 reader without extras is unaffected.
 _ST_OPTIONAL_KEYS: Final = ("extras",)
 
 
+_DTYPE_NAMES: Final[Mapping[torch.dtype, str]] = MappingProxyType(
+    {dtype: name for name, dtype in TORCH_DTYPES.items()})
+
+
 def dtype_name(dtype: torch.dtype) -> Dtype:
     """The wire name of a torch dtype; only the three embedding dtypes exist."""
-    for name, candidate in TORCH_DTYPES.items():
-        if candidate == dtype:
-            return name  # type: ignore[return-value]
-    raise ValueError(f"unsupported embedding dtype {dtype}; use one of {list(DTYPES)}")
+    try:
+        return _DTYPE_NAMES[dtype]  # type: ignore[return-value]
+    except KeyError:
+        raise ValueError(f"unsupported embedding dtype {dtype}; use one of {list(DTYPES)}") from None
 
 
 def header_for(
@@ -92,6 +93,8 @@ def header_for(
     if tensor.dim() != 2:
         raise ValueError(f"an embedding is [tokens, dim], got shape {tuple(tensor.shape)}")
     return EmbeddingHeader(
+        v=PROTOCOL_VERSION,
+        kind="embedding",
         req_id=req_id,
         part_idx=part_idx,
         num_parts=num_parts,
@@ -111,7 +114,7 @@ def encode_zmq_message(header: EmbeddingHeader, tensor: torch.Tensor | None, *,
     The tensor bytes are views of its memory, ``frame_bytes`` each (see
     ``epd_trio.protocol.payload`` for why not one frame).
     """
-    head = msgpack.packb(header_to_map(header), use_bin_type=True)
+    head = encode_header(header)
     if header.kind == "error":
         if tensor is not None:
             raise ValueError("an error message carries no tensor")
@@ -140,13 +143,16 @@ def error_message(
         status=min(max(http_status(exc), 400), 599),
     )
     header = EmbeddingHeader(
+        v=PROTOCOL_VERSION,
+        kind="error",
         req_id=req_id,
         part_idx=part_idx,
         num_parts=num_parts,
         modality=modality,
         dtype="float32",  # required by the schema; meaningless without a tensor
         shape=(0, 0),
-        kind="error",
+        token_counts=[],
+        grid_thw=[],
         error=info,
     )
     return encode_zmq_message(header, None)
@@ -160,7 +166,7 @@ def decode_zmq_message(frames: Sequence[FrameLike]) -> tuple[EmbeddingHeader, Pa
     """
     if not frames:
         raise ProtocolError("an empty message")
-    header = header_from_map(_unpack(_flat(frames[0])))
+    header = decode_header(_flat(frames[0]))
     if header.kind == "error":
         if len(frames) != 1:
             raise ProtocolError("an error message must have no tensor frame")
@@ -240,15 +246,6 @@ def _flat(frame: FrameLike) -> memoryview:
         return memoryview(frame).cast("B")
     except TypeError as exc:
         raise ProtocolError(f"frame is not a contiguous buffer: {exc}") from None
-
-
-def _unpack(raw: memoryview) -> object:
-    if raw.nbytes > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header frame is {raw.nbytes} bytes (max {MAX_HEADER_BYTES})")
-    try:
-        return msgpack.unpackb(raw, raw=False, strict_map_key=True, **_UNPACK_LIMITS)
-    except (ValueError, TypeError, msgpack.UnpackException) as exc:
-        raise ProtocolError(f"header is not valid msgpack: {exc}") from None
 
 
 def _safetensors_header(data: bytes) -> tuple[str, object, dict[str, Any]]:

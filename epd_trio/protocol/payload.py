@@ -35,11 +35,14 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     Viewing as uint8 sidesteps bfloat16 having no numpy dtype. The memoryview
     keeps the tensor alive; its bytes must not change until the send is done.
     """
-    t = tensor.detach()
+    t = tensor.detach() if tensor.requires_grad else tensor  # each torch call costs ~1-2 us
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy().data
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if not t.numel():
+        return memoryview(b"")  # cast() refuses a shape with a zero in it
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
 def split_frames(data: memoryview, frame_bytes: int = PAYLOAD_FRAME_BYTES) -> list[memoryview]:

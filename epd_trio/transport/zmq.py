@@ -148,7 +148,7 @@ class PushSocketCache:
 
     async def send(self, endpoint: str, frames: Sequence[FrameLike], timeout: float) -> None:
         """Send one message to ``endpoint``; see ``TrioSocket.send_multipart``."""
-        entry = self._checkout(validate_endpoint(endpoint))
+        entry = self._checkout(endpoint)
         try:
             await entry.sock.send_multipart(frames, timeout=timeout)
         except TransferTimeout:
@@ -180,8 +180,9 @@ class PushSocketCache:
     def _checkout(self, endpoint: str) -> _Entry:
         if self._ctx is None:
             raise RuntimeError("use PushSocketCache in an 'async with' block")
-        entry = self._entries.get(endpoint)
-        if entry is None:
+        entry = self._entries.get(endpoint) if type(endpoint) is str else None
+        if entry is None:  # checked once, when its socket is made
+            validate_endpoint(endpoint)
             self._evict_for_one_more()
             entry = self._entries[endpoint] = _Entry(self._connect(self._ctx, endpoint), 0.0)
         self._entries.move_to_end(endpoint)

@@ -108,8 +108,12 @@ BAD: list[tuple[str, object, str]] = [
 
 @pytest.mark.parametrize(("extras", "match"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
 def test_bad_extras_are_protocol_errors(extras: object, match: str) -> None:
-    m = {**header_to_map(video_header(extras=None)), "extras": extras}
+    """The JSON answer's check (``validate_extras``) says what is wrong; a header's schema
+    refuses the same extras (its message names the field it stopped at)."""
     with pytest.raises(ProtocolError, match=match):
+        validate_extras(extras, 2)
+    m = {**header_to_map(video_header(extras=None)), "extras": extras}
+    with pytest.raises(ProtocolError, match="extras"):
         header_from_map(m)
 
 
@@ -117,13 +121,13 @@ def test_bad_extras_in_a_zmq_message() -> None:
     m = {**header_to_map(video_header(extras=None)), "extras": {"t": [1.0, math.inf]}}
     with pytest.raises(ProtocolError, match="finite numbers"):
         decode_zmq_message(frames_of(m))
-    with pytest.raises(ProtocolError, match="names must be str"):
+    with pytest.raises(ProtocolError, match="got `int` - at `key` in `\\$.extras`"):
         header_from_map({**m, "extras": {7: [1.0, 2.0]}})  # msgpack would refuse it earlier
 
 
 def test_an_error_message_carries_no_extras() -> None:
     m = {**header_to_map(video_header(extras=None)), "kind": "error", "shape": [0, 0],
-         "token_counts": [], "grid_thw": [], "extras": {},
+         "token_counts": [], "grid_thw": [], "extras": {"t": []},
          "error": {"type": "EncodeError", "message": "x", "status": 500}}
     with pytest.raises(ProtocolError, match="must not carry extras"):
         header_from_map(m)
@@ -171,7 +175,7 @@ def st_body_with(extras: str) -> bytes:
     ('{"t": [NaN, 1.0]}', "finite numbers"),
     ('{"t": [1e999, 1.0]}', "finite numbers"),
     ('{"t": [1.0]}', "one entry per item"),
-    ('[1.0, 2.0]', "extras must be a map"),
+    ('[1.0, 2.0]', r"got `array` - at `\$\.extras`"),
     ('{"t": [1.0, 2.0]', "extras is not JSON"),
     ("[" * 100_000, "extras is not JSON"),  # deeper than the JSON parser's recursion limit
 ], ids=["nan", "overflow", "count", "list", "truncated", "deep"])
