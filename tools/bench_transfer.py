@@ -33,7 +33,8 @@ For each size (MiB: 1, 4, 16, 64, 256, 512; ``--quick``: up to 64) one bfloat16
   transport, which ``mooncake tcp`` (the same engine under trio) is measured
   against.
 
-The methods take turns, ``--repeat`` times per size, so load drift on a shared
+The methods take turns, ``--repeat`` times per size (3 times as many up to 4 MiB,
+where one message takes a millisecond or less), so load drift on a shared
 machine hits all alike, in an order reversed every other turn, so that no
 method always follows the same one (a send that returns before libzmq lets go
 of its buffers leaves work to the next method's time); the table shows the
@@ -104,6 +105,7 @@ MOONCAKE_BARE = "mooncake engine sync"  # the engine's own blocking write: its c
 INTO_DST = frozenset({"memcpy", REFERENCE, "mooncake tcp", ZMQ_TO_DST, MOONCAKE_BARE})  # others stay in frames
 NOT_TRANSFERS = frozenset({"memcpy", "fresh buffer", REFERENCE})  # no "x raw" ratio
 
+SMALL_MIB, SMALL_REPEAT_FACTOR = 4, 3  # sizes up to 4 MiB: 3 x the turns
 Once = Callable[[int], Awaitable[None]]  # one timed run on n bytes (most move src[:n] to dst)
 
 
@@ -255,7 +257,9 @@ async def measure(methods: dict[str, Once], sizes: list[int], repeat: int,
             if name in INTO_DST:
                 assert torch.equal(dst[:n], src[:n]), f"{name} moved the wrong bytes"
         names = list(methods)
-        for r in range(repeat):
+        # A small message takes a millisecond or less, and on a shared machine one turn's
+        # wake-ups swing it by +-25 %: small sizes take more turns (cheaply) for a steadier median.
+        for r in range(repeat * SMALL_REPEAT_FACTOR if size <= SMALL_MIB else repeat):
             for name in names if r % 2 == 0 else names[::-1]:  # no method always follows the same one
                 start = time.perf_counter()
                 await methods[name](n)
@@ -404,7 +408,8 @@ async def run(args: argparse.Namespace) -> None:
     top = max(sizes) * MiB
     src = torch.empty(top, dtype=torch.uint8).random_()
     dst = torch.empty(top, dtype=torch.uint8).fill_(0)
-    print(f"sizes {sizes} MiB, {repeat} runs each (median), {os.cpu_count()} cores, "
+    print(f"sizes {sizes} MiB, {repeat} runs each ({repeat * SMALL_REPEAT_FACTOR} up to {SMALL_MIB} MiB;"
+          f" median), {os.cpu_count()} cores, "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads), "
           f"load average {os.getloadavg()[0]:.1f} at start", flush=True)
     async with AsyncExitStack() as stack:
