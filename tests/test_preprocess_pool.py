@@ -84,9 +84,40 @@ async def test_processes_equal_threads_and_clean_up(qwen25_path: str) -> None:
         ok = await pool.preprocess([png_bytes(56, 56)], "image")
         assert ok.token_counts == (4,)
         stats = pool.statistics()
-        assert stats.failed == 2 and stats.restarts == 0
+        assert stats.failed == 2 and stats.restarts == 0 and stats.slot_bytes > 0
+    # every slot came back, the cancelled calls' once their children were done (closing
+    # waits for them), and closing unlinked them
+    stats = pool.statistics()
+    assert stats.slots_free == 2 * stats.workers and stats.slot_bytes == 0
     assert segments() <= before_segments
     assert children() <= before_children
+
+
+async def test_results_land_in_standing_slots(qwen25_path: str) -> None:
+    """A slot is made on its first miss and reused after; one too big for any slot takes a
+    fresh segment and leaves the slots as they were; the same tensors either way."""
+    from epd_trio.engine import preprocess_pool
+
+    limits = MediaLimits(max_image_pixels=1024 * 1024)
+    encoder = await trio.to_thread.run_sync(lambda: load_encoder(qwen25_path, dtype="float32"))
+    local = EncoderPreprocessor(encoder.adapter, encoder.processors, limits)
+    small, large = [png_bytes(224, 224, seed=1)], [png_bytes(448, 448, seed=2)]
+    before = segments()
+    async with open_preprocess_pool(PoolSpec(qwen25_path, limits), workers=1) as pool:
+        # 224^2: 256 patches x 1176 float32 = 1.2 MB, a 2 MiB slot; 448^2's 4.8 MB fits none
+        pool._arena.max_bytes = 2 << 20
+        for i in range(4):  # one at a time: each call takes the slot the last one gave back
+            got = await pool.preprocess(small, "image")
+            assert torch.equal(got.inputs["pixel_values"], local.preprocess(small, "image").inputs["pixel_values"])
+        s = pool.statistics()
+        assert (s.slot_misses, s.slot_hits, s.slot_bytes) == (1, 3, 2 << 20)
+        got = await pool.preprocess(large, "image")
+        assert torch.equal(got.inputs["pixel_values"], local.preprocess(large, "image").inputs["pixel_values"])
+        s = pool.statistics()
+        assert (s.slot_misses, s.slot_hits, s.slot_bytes) == (2, 3, 2 << 20)
+        assert len(segments() - before) == 1  # the one slot; the large result's segment is gone
+    assert segments() <= before
+    assert preprocess_pool.SLOTS_PER_WORKER == 2
 
 
 async def test_engine_in_process_mode_equals_thread_mode(qwen25_path: str) -> None:

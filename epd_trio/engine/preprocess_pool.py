@@ -12,12 +12,15 @@ What crosses the boundary, and which way:
 - parent → child: the request's loaded items (the bytes this process fetched
   or was sent, or in-process PIL images / frame arrays), pickled by the
   executor for its own child: the child unpickles what its parent wrote;
-- child → parent: one **shared-memory segment** per result with every input
-  tensor in it, and a plain dict (segment name, dtypes, shapes, offsets,
-  grid_thw, token counts, extras; or an error's class name and message). The
-  parent copies the tensors out and unlinks the segment at once; a request
-  cancelled while its child works has its segment unlinked when the child
-  finishes. Nothing the network sent is ever unpickled in the parent.
+- child → parent: every input tensor in **shared memory** — the slot of the
+  parent's ``SegmentArena`` that came with the call (mapped once per child,
+  reused), or a fresh segment when none was free or the result does not fit
+  (the slot then grows for the next one) — and a plain dict (slot or segment
+  name, dtypes, shapes, offsets, grid_thw, token counts, extras; or an
+  error's class name and message). The parent copies the tensors out, then
+  frees the slot or unlinks the segment; a request cancelled while its child
+  works frees them when the child finishes. Nothing the network sent is ever
+  unpickled in the parent.
 
 The pool is owned by ``open_preprocess_pool`` (an ``async with``): leaving it
 cancels queued work, waits for running items and ends every child; no segment
@@ -40,13 +43,14 @@ from typing import Any
 import trio
 
 import epd_trio.errors as errors
+from epd_trio.engine.shm_arena import ChildSlots, SegmentArena, SlotTicket, layout_of, write_tensors
 from epd_trio.errors import EncodeError, EPDError, ModelLoadError
 from epd_trio.model.adapters import PreprocessResult
 from epd_trio.model.media import MediaLimits
 
 __all__ = ["PoolSpec", "PoolStatistics", "PreprocessPool", "open_preprocess_pool"]
 
-_ALIGN = 64  # each tensor starts on a cache line of the segment
+SLOTS_PER_WORKER = 2  # one being written by a child, one being read by the parent
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,10 @@ class PoolStatistics:
     done: int
     failed: int
     restarts: int
+    slot_hits: int = 0  # results written into a standing slot of the arena
+    slot_misses: int = 0  # results that needed a fresh segment (no slot free, or too big)
+    slots_free: int = 0
+    slot_bytes: int = 0  # shared memory the slots hold
 
 
 # ---- the child side (runs in the spawned processes) ---------------------------
@@ -87,6 +95,7 @@ def _init_child(spec: PoolSpec) -> None:
     torch.set_num_threads(spec.torch_threads)
     adapter = adapter_for(AutoConfig.from_pretrained(spec.model_dir, local_files_only=True))
     processors = load_processors(adapter, Path(spec.model_dir))
+    _CHILD["slots"] = ChildSlots()
     _CHILD["preprocessor"] = EncoderPreprocessor(
         adapter, processors, spec.limits, video_fps=spec.video_fps,
         video_min_frames=spec.video_min_frames, video_max_frames=spec.video_max_frames)
@@ -96,82 +105,78 @@ def _child_ready() -> int:
     return len(_CHILD)
 
 
-def _child_preprocess(items: Sequence[Any], modality: str,
-                      indices: Sequence[int] | None) -> dict[str, Any]:
-    """Preprocess in the child; the answer is plain data and a segment name."""
+def _child_preprocess(items: Sequence[Any], modality: str, indices: Sequence[int] | None,
+                      ticket: SlotTicket | None = None) -> dict[str, Any]:
+    """Preprocess in the child; the answer is plain data and where the tensors are."""
     try:
         result = _CHILD["preprocessor"].preprocess(items, modality, indices)
     except EPDError as exc:
         return {"error": type(exc).__name__, "message": exc.message}
     except Exception as exc:  # a bug: the parent's 500, with what a log needs
         return {"error": "EncodeError", "message": f"preprocessing failed: {type(exc).__name__}: {exc}"}
-    return _to_shared(result)
+    return _to_shared(result, ticket)
 
 
-def _to_shared(result: PreprocessResult) -> dict[str, Any]:
-    import torch
-
-    flat = {key: t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-            for key, t in result.inputs.items()}
-    layout, offset = [], 0
-    for key, tensor in result.inputs.items():
-        nbytes = flat[key].numel()
-        layout.append((key, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes))
-        offset += -(-nbytes // _ALIGN) * _ALIGN
-    segment = SharedMemory(create=True, size=max(offset, 1))
+def _to_shared(result: PreprocessResult, ticket: SlotTicket | None) -> dict[str, Any]:
+    tensors = {key: t.detach().cpu().contiguous() for key, t in result.inputs.items()}
+    layout, size = layout_of(tensors)
+    answer = {"tensors": layout, "size": size, "modality": result.modality,
+              "grid_thw": [list(g) for g in result.grid_thw],
+              "token_counts": list(result.token_counts), "extras": result.extras}
+    if ticket is not None and ticket.name and size <= ticket.size:
+        write_tensors(_CHILD["slots"].buffer(ticket), tensors, layout)
+        return {**answer, "slot": ticket.index}
+    segment = SharedMemory(create=True, size=max(size, 1))
     try:
-        for key, _, _, start, nbytes in layout:
-            if nbytes:
-                target = torch.frombuffer(segment.buf, dtype=torch.uint8, count=nbytes, offset=start)
-                target.copy_(flat[key])
-                del target  # no export of the buffer may outlive close()
+        write_tensors(segment.buf, tensors, layout)
     except BaseException:
         segment.close()
         segment.unlink()
         raise
     segment.close()  # the parent unlinks it
-    return {"segment": segment.name, "tensors": layout, "modality": result.modality,
-            "grid_thw": [list(g) for g in result.grid_thw],
-            "token_counts": list(result.token_counts), "extras": result.extras}
+    return {**answer, "segment": segment.name}
 
 
 # ---- the parent side -------------------------------------------------------------
-def _from_shared(answer: dict[str, Any]) -> PreprocessResult:
-    """Copy the tensors out of the child's segment and unlink it (blocking: a thread)."""
+def _read_tensors(buf: memoryview, layout: list[Any]) -> dict[str, Any]:
     import torch
 
-    segment = SharedMemory(name=answer["segment"])
-    try:
-        inputs = {}
-        for key, dtype, shape, start, nbytes in answer["tensors"]:
-            raw = torch.empty(nbytes, dtype=torch.uint8)
-            if nbytes:
-                view = torch.frombuffer(segment.buf, dtype=torch.uint8, count=nbytes, offset=start)
-                raw.copy_(view)
-                del view
-            inputs[key] = raw.view(getattr(torch, dtype)).reshape(shape)
-    finally:
-        segment.unlink()
-        segment.close()
+    inputs = {}
+    for key, dtype, shape, start, nbytes in layout:
+        raw = torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes:
+            view = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=start)
+            raw.copy_(view)
+            del view  # no export of the buffer may outlive the segment's close()
+        inputs[key] = raw.view(getattr(torch, dtype)).reshape(shape)
+    return inputs
+
+
+def _result(answer: dict[str, Any], inputs: dict[str, Any]) -> PreprocessResult:
     return PreprocessResult(
         modality=answer["modality"], inputs=inputs,
         grid_thw=tuple((int(t), int(h), int(w)) for t, h, w in answer["grid_thw"]),
         token_counts=tuple(int(c) for c in answer["token_counts"]), extras=dict(answer["extras"]))
 
 
-def _discard(future: Future) -> None:
-    """A cancelled request's answer: unlink its segment (runs when the child finishes)."""
+def _unlink_segment(answer: dict[str, Any]) -> None:
+    try:
+        segment = SharedMemory(name=answer["segment"])
+    except FileNotFoundError:
+        return
+    segment.unlink()
+    segment.close()
+
+
+def _discard(arena: SegmentArena, ticket: SlotTicket | None, future: Future) -> None:
+    """A cancelled request's answer, once its child is done: free its slot or segment."""
     try:
         answer = future.result()
     except (CancelledError, Exception):
-        return
+        answer = {}
     if "segment" in answer:
-        try:
-            segment = SharedMemory(name=answer["segment"])
-        except FileNotFoundError:
-            return
-        segment.unlink()
-        segment.close()
+        _unlink_segment(answer)
+    arena.release(ticket)
 
 
 def _raise_error(answer: dict[str, Any]) -> None:
@@ -192,8 +197,10 @@ class PreprocessPool:
         self.spec = spec
         self.workers = workers
         self._limiter = trio.CapacityLimiter(workers)
+        self._arena = SegmentArena(SLOTS_PER_WORKER * workers)
         self._executor = self._new_executor()
         self._done = self._failed = self._restarts = 0
+        self._slot_hits = self._slot_misses = 0
         self._retired: list[ProcessPoolExecutor] = []
 
     def _new_executor(self) -> ProcessPoolExecutor:
@@ -212,24 +219,51 @@ class PreprocessPool:
     async def preprocess(self, items: Sequence[Any], modality: str,
                          indices: Sequence[int] | None = None) -> PreprocessResult:
         async with self._limiter:
-            executor, future = self._executor, None
+            executor, future, ticket = self._executor, None, self._arena.acquire()
             try:
                 future = executor.submit(_child_preprocess, list(items), modality,
-                                         None if indices is None else list(indices))
+                                         None if indices is None else list(indices), ticket)
                 answer = await trio.to_thread.run_sync(future.result, abandon_on_cancel=True)
             except BrokenProcessPool:
+                self._arena.release(ticket)
                 self._failed += 1
                 self._restart(executor)
                 raise EncodeError("a preprocessing process died (the pool was restarted)") from None
             except BaseException:
-                if future is not None and not future.cancel():
-                    future.add_done_callback(_discard)  # at once if already done
+                if future is not None and not future.cancel():  # the child may still write
+                    future.add_done_callback(functools.partial(_discard, self._arena, ticket))
+                else:
+                    self._arena.release(ticket)
                 raise
-        if "error" in answer:
-            self._failed += 1
-            _raise_error(answer)
-        self._done += 1
-        return await trio.to_thread.run_sync(_from_shared, answer)
+        try:
+            if "error" in answer:
+                self._failed += 1
+                _raise_error(answer)
+            self._done += 1
+            # Not abandoned on cancel: the slot is freed only once the copy is out of it.
+            result = await trio.to_thread.run_sync(self._take, answer, ticket)
+        finally:
+            self._arena.release(ticket)
+        if "slot" in answer:
+            self._slot_hits += 1
+        else:
+            self._slot_misses += 1
+        return result
+
+    def _take(self, answer: dict[str, Any], ticket: SlotTicket | None) -> PreprocessResult:
+        """The tensors out of the child's slot or segment (blocking: a thread)."""
+        if "slot" in answer:
+            assert ticket is not None and ticket.index == answer["slot"]
+            return _result(answer, _read_tensors(self._arena.buffer(ticket), answer["tensors"]))
+        segment = SharedMemory(name=answer["segment"])
+        try:
+            inputs = _read_tensors(segment.buf, answer["tensors"])
+        finally:
+            segment.unlink()
+            segment.close()
+        if ticket is not None:
+            self._arena.grow(ticket, answer["size"])
+        return _result(answer, inputs)
 
     def _restart(self, broken: ProcessPoolExecutor) -> None:
         if self._executor is broken:  # the first request to see it restarts it
@@ -242,15 +276,19 @@ class PreprocessPool:
         for executor in (*self._retired, self._executor):
             await trio.to_thread.run_sync(functools.partial(
                 executor.shutdown, wait=True, cancel_futures=True))
+        self._arena.close()  # no child is left to write into a slot
 
     def statistics(self) -> PoolStatistics:
+        arena = self._arena.statistics()
         return PoolStatistics(self.workers, self._limiter.borrowed_tokens, self._done,
-                              self._failed, self._restarts)
+                              self._failed, self._restarts, self._slot_hits, self._slot_misses,
+                              arena.free, arena.bytes)
 
     def __repr__(self) -> str:
         s = self.statistics()
         return (f"<PreprocessPool {s.workers} processes: {s.running} running, {s.done} done, "
-                f"{s.failed} failed, {s.restarts} restarts>")
+                f"{s.failed} failed, {s.restarts} restarts; slots {s.slot_hits} hits, "
+                f"{s.slot_misses} misses, {s.slot_bytes >> 20} MiB>")
 
 
 @asynccontextmanager
