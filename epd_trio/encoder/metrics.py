@@ -75,6 +75,7 @@ class ServiceMetrics:
         # Labelled children, looked up once: ``labels()`` takes a lock and builds a key per call.
         self._stage_children: dict[str, Any] = {}
         self._request_children: dict[tuple[str, str], Any] = {}
+        self._batch_children: dict[int, Any] = {}
 
     # ---- observer --------------------------------------------------------------
     def stage(self, name: str, seconds: float) -> None:
@@ -84,7 +85,10 @@ class ServiceMetrics:
         child.observe(max(0.0, seconds))
 
     def batch(self, worker: int, size: int, tokens: int) -> None:
-        self.batch_sizes.labels(str(worker)).observe(size)
+        child = self._batch_children.get(worker)
+        if child is None:
+            child = self._batch_children[worker] = self.batch_sizes.labels(str(worker))
+        child.observe(size)
 
     def request(self, modality: str, exc: BaseException | None) -> None:
         key = (modality, outcome_of(exc))
