@@ -33,6 +33,10 @@ For each size (MiB: 1, 4, 16, 64, 256, 512; ``--quick``: up to 64) one bfloat16
   transport, which ``mooncake tcp`` (the same engine under trio) is measured
   against.
 
+A second table gives the trio thread's own CPU per message (``time.thread_time()``
+around each turn): for ZMQ the Python of both ends (header, frames, the trio
+socket, the decode), for ``raw tcp`` only its hand-off to the two threads.
+
 The methods take turns, ``--repeat`` times per size (3 times as many up to 4 MiB,
 where one message takes a millisecond or less), so load drift on a shared
 machine hits all alike, in an order reversed every other turn, so that no
@@ -244,13 +248,16 @@ class EngineSyncWrite:
 
 
 # ---- throughput -------------------------------------------------------------------
-async def measure(methods: dict[str, Once], sizes: list[int], repeat: int,
-                  dst: torch.Tensor, src: torch.Tensor) -> dict[str, dict[int, float]]:
-    """Median GB/s per method and size; every method's copy is checked once per size."""
+async def measure(methods: dict[str, Once], sizes: list[int], repeat: int, dst: torch.Tensor,
+                  src: torch.Tensor) -> tuple[dict[str, dict[int, float]], dict[str, dict[int, float]]]:
+    """Median GB/s, and median trio-thread CPU seconds, per method and size; every method's
+    copy is checked once per size."""
     gbps: dict[str, dict[int, float]] = {name: {} for name in methods}
+    cpu: dict[str, dict[int, float]] = {name: {} for name in methods}
     for size in sizes:
         n = size * MiB
         times: dict[str, list[float]] = {name: [] for name in methods}
+        spent: dict[str, list[float]] = {name: [] for name in methods}
         for name, once in methods.items():  # warm-up, and proof the bytes arrived
             dst[:n].zero_()
             await once(n)
@@ -261,14 +268,31 @@ async def measure(methods: dict[str, Once], sizes: list[int], repeat: int,
         # wake-ups swing it by +-25 %: small sizes take more turns (cheaply) for a steadier median.
         for r in range(repeat * SMALL_REPEAT_FACTOR if size <= SMALL_MIB else repeat):
             for name in names if r % 2 == 0 else names[::-1]:  # no method always follows the same one
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.thread_time()
                 await methods[name](n)
                 times[name].append(time.perf_counter() - start)
+                spent[name].append(time.thread_time() - start_cpu)
         for name in methods:
             gbps[name][size] = n / statistics.median(times[name]) / 1e9
+            cpu[name][size] = statistics.median(spent[name])
         print(f"  {size:>4} MiB (load {os.getloadavg()[0]:.1f}): "
               + ", ".join(f"{k} {v[size]:.2f}" for k, v in gbps.items()), flush=True)
-    return gbps
+    return gbps, cpu
+
+
+def cpu_table(cpu: dict[str, dict[int, float]], sizes: list[int]) -> str:
+    """The trio thread's CPU per message: the Python a method runs (both ends, for ZMQ)."""
+    names = [m for m in cpu if m.startswith("zmq") or m == REFERENCE]
+    head = ["size MiB"] + [f"{m} us" for m in names]
+    return _aligned(head, [[str(size)] + [f"{cpu[m][size] * 1e6:.0f}" for m in names]
+                           for size in sizes])
+
+
+def _aligned(head: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [head, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
 
 
 def table(gbps: dict[str, dict[int, float]], sizes: list[int]) -> str:
@@ -284,10 +308,7 @@ def table(gbps: dict[str, dict[int, float]], sizes: list[int]) -> str:
             ratio = f" ({value / ref:.2f})" if ref and m not in NOT_TRANSFERS else ""
             cells.append(f"{value:.2f}{ratio}")
         rows.append(cells)
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [head, *rows]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return _aligned(head, rows)
 
 
 def plot(gbps: dict[str, dict[int, float]], sizes: list[int], path: str) -> None:
@@ -434,9 +455,11 @@ async def run(args: argparse.Namespace) -> None:
             except TransportError as exc:
                 mooncake = False
                 print(f"mooncake skipped: {exc}")
-        gbps = await measure(methods, sizes, repeat, dst, src)
+        gbps, cpu = await measure(methods, sizes, repeat, dst, src)
     print()
     print(table(gbps, sizes))
+    print("\ntrio-thread CPU per message (median; thread_time() around each turn):")
+    print(cpu_table(cpu, sizes))
     for name in ("zmq tcp", ZMQ_WATCHED, ZMQ_ONE_FRAME, ZMQ_TO_DST, "zmq ipc", "mooncake tcp",
                  MOONCAKE_BARE):
         if name in gbps:
