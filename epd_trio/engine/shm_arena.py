@@ -4,8 +4,9 @@ A fresh segment per result costs more than the preprocessing it carries: the
 child faults in every page of a new segment as it writes, the parent faults
 them in again as it maps them, and both walk ``shm_open``/``ftruncate``/
 ``mmap``/``unlink`` (measured in the README, *Preprocessing: threads against
-processes*). So the parent owns one segment per worker, a *slot*, and hands a
-free one to each call; the child keeps it mapped between calls and writes into
+processes*). So the parent owns a few segments, *slots* (the pool makes two per
+worker), and hands a free one to each call; a child keeps each slot it was given
+mapped between calls and writes into
 pages that are already resident, and the parent reads from its own standing
 mapping. A result that does not fit goes the old way (a fresh segment) and the
 slot grows to fit the next one, up to ``SLOT_MAX_BYTES`` (a video's frames can
@@ -24,7 +25,8 @@ from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any, Final
 
-__all__ = ["ALIGN", "SLOT_MAX_BYTES", "ArenaStatistics", "ChildSlots", "SegmentArena", "SlotTicket", "layout_of", "write_tensors"]
+__all__ = ["ALIGN", "SLOT_MAX_BYTES", "ArenaStatistics", "ChildSlots", "SegmentArena", "SlotTicket",
+           "layout_of", "write_tensors"]
 
 ALIGN: Final = 64  # each tensor starts on a cache line of its segment
 SLOT_MAX_BYTES: Final = 64 << 20
@@ -57,7 +59,8 @@ def layout_of(tensors: Mapping[str, Any]) -> tuple[Layout, int]:
     offset = 0
     for key, tensor in tensors.items():
         nbytes = tensor.numel() * tensor.element_size()
-        layout.append((key, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes))
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        layout.append((key, dtype, list(tensor.shape), offset, nbytes))
         offset += -(-nbytes // ALIGN) * ALIGN
     return layout, offset
 

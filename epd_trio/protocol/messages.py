@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Annotated, Any, Final, Literal
+from typing import Annotated, Any, Final, Literal, get_args
 
 import msgspec
 
@@ -46,8 +46,9 @@ __all__ = [
 PROTOCOL_VERSION: Final = 1
 Kind = Literal["embedding", "error"]
 Dtype = Literal["bfloat16", "float16", "float32"]
-KINDS: Final = ("embedding", "error")
-MODALITIES: Final = ("image", "video", "audio")
+Modality = Literal["image", "video", "audio"]
+KINDS: Final = get_args(Kind)
+MODALITIES: Final = get_args(Modality)
 DTYPE_ITEMSIZE: Final[Mapping[str, int]] = MappingProxyType(
     {"bfloat16": 2, "float16": 2, "float32": 4}
 )
@@ -103,7 +104,7 @@ class EmbeddingHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True, o
     req_id: ReqId
     part_idx: int
     num_parts: int
-    modality: Literal["image", "video", "audio"]
+    modality: Modality
     dtype: Dtype
     shape: tuple[_Axis, _Axis]
     token_counts: Annotated[list[_Count], msgspec.Meta(max_length=_MAX_ITEMS)]
@@ -172,8 +173,8 @@ def _check(h: EmbeddingHeader) -> EmbeddingHeader:
     if h.kind == "embedding":
         if h.error is not None:
             raise ProtocolError("an embedding message must not carry an error")
-        if sum(h.token_counts) != h.shape[0]:
-            raise ProtocolError(f"token_counts sum to {sum(h.token_counts)}, shape has {h.shape[0]}")
+        if (tokens := sum(h.token_counts)) != h.shape[0]:
+            raise ProtocolError(f"token_counts sum to {tokens}, shape has {h.shape[0]}")
     else:
         if h.error is None:
             raise ProtocolError("an error message must carry an error")
