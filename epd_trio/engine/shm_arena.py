@@ -113,7 +113,10 @@ class SegmentArena:
         size = min(self.max_bytes, -(-needed // _GROW_ROUND) * _GROW_ROUND)
         fresh = SharedMemory(create=True, size=size)
         with self._lock:
-            old, self._segments[ticket.index] = self._segments[ticket.index], fresh
+            if self._closed:  # a copy that finished after the pool closed: keep nothing
+                old = fresh
+            else:
+                old, self._segments[ticket.index] = self._segments[ticket.index], fresh
         if old is not None:  # a child that mapped it lets go when it sees the new name
             _drop(old)
 
@@ -133,7 +136,8 @@ class SegmentArena:
 
 
 class ChildSlots:
-    """A child's standing mappings of the slots it was handed, by slot index."""
+    """A child's standing mappings of the slots it was handed, by slot index (unmapped
+    when the child exits; the parent unlinks)."""
 
     def __init__(self) -> None:
         self._mapped: dict[int, SharedMemory] = {}
@@ -145,10 +149,6 @@ class ChildSlots:
                 mapped.close()
             mapped = self._mapped[ticket.index] = SharedMemory(name=ticket.name)
         return mapped.buf
-
-    def close(self) -> None:
-        while self._mapped:
-            self._mapped.popitem()[1].close()
 
 
 def _drop(segment: SharedMemory) -> None:
