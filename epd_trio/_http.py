@@ -11,6 +11,7 @@ import hmac
 import json
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Final
 
 import hypercorn.config
@@ -28,9 +29,15 @@ __all__ = [
     "BearerAuth",
     "JoinedBody",
     "JoinedBodyRequest",
+    "Reply",
+    "as_response",
+    "error_reply",
+    "face_error_reply",
+    "http_exception_reply",
     "hypercorn_config",
     "install_error_handlers",
     "json_error",
+    "json_reply",
     "json_response",
     "parse_json_off_loop",
 ]
@@ -131,15 +138,60 @@ class JoinedBodyRequest(TrioRequest):
     body_class = JoinedBody
 
 
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """An answer's status, body and headers, before any framework shapes it: the Quart
+    routes turn it into a ``Response`` (``as_response``), a bare ASGI route sends it as is."""
+
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+    headers: tuple[tuple[str, str], ...] = ()
+
+    def closing(self) -> Reply:
+        """The same answer, closing the connection (its unread body cannot be taken for a request)."""
+        return Reply(self.status, self.body, self.content_type, (*self.headers, ("Connection", "close")))
+
+
+def json_reply(body: Any, status: int = 200) -> Reply:
+    return Reply(status, json.dumps(body).encode())
+
+
+def error_reply(exc: BaseException, req_id: str | None = None) -> Reply:
+    """The protocol's JSON error shape with the status from ``http_status``."""
+    reply = json_reply(error_body(exc, req_id), http_status(exc))
+    if isinstance(exc, UnauthorizedError):
+        return Reply(reply.status, reply.body, headers=(("WWW-Authenticate", 'Bearer realm="epd-trio"'),))
+    return reply
+
+
+def http_exception_reply(exc: HTTPException) -> Reply:
+    """A framework's HTTP error (404, 405, 413, ...) in the same JSON shape."""
+    if exc.code == 413:
+        return error_reply(PayloadTooLargeError("request body is over the size limit")).closing()
+    body = {"error": {"type": exc.name.replace(" ", ""), "message": exc.description or exc.name},
+            "req_id": None}
+    return json_reply(body, exc.code or 500)
+
+
+def face_error_reply(exc: BaseException) -> Reply:
+    """Any error in the native faces' shape: a framework's HTTP error or ours (or a bug's 500)."""
+    return http_exception_reply(exc) if isinstance(exc, HTTPException) else error_reply(exc)
+
+
+def as_response(reply: Reply) -> Response:
+    response = Response(reply.body, status=reply.status, content_type=reply.content_type)
+    for name, value in reply.headers:
+        response.headers[name] = value
+    return response
+
+
 def json_response(body: Any, status: int = 200) -> Response:
-    return Response(json.dumps(body), status=status, mimetype="application/json")
+    return as_response(json_reply(body, status))
 
 
 def json_error(exc: BaseException, req_id: str | None = None) -> Response:
-    response = json_response(error_body(exc, req_id), http_status(exc))
-    if isinstance(exc, UnauthorizedError):
-        response.headers["WWW-Authenticate"] = 'Bearer realm="epd-trio"'
-    return response
+    return as_response(error_reply(exc, req_id))
 
 
 def install_error_handlers(app: QuartTrio, what: str) -> None:
@@ -151,15 +203,8 @@ def install_error_handlers(app: QuartTrio, what: str) -> None:
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
-        if exc.code == 413:
-            # The body was refused unread: the connection cannot carry another
-            # request (its leftover bytes would be taken for one), so close it.
-            response = json_error(PayloadTooLargeError("request body is over the size limit"))
-            response.headers["Connection"] = "close"
-            return response
-        body = {"error": {"type": exc.name.replace(" ", ""), "message": exc.description or exc.name},
-                "req_id": None}
-        return json_response(body, exc.code or 500)
+        # A 413 body was refused unread: http_exception_reply closes the connection.
+        return as_response(http_exception_reply(exc))
 
     @app.errorhandler(Exception)
     async def bug(exc: Exception) -> Response:

@@ -6,6 +6,7 @@
     ├── RequestError (400)             the caller sent something we cannot encode
     │   ├── UnauthorizedError (401)
     │   ├── UnknownRequestError (404)
+    │   ├── BodyTimeoutError (408)     the request body did not arrive in time
     │   ├── ConflictError (409)        the server is in the wrong state for it
     │   │   └── DuplicateRequestError (409)
     │   ├── FetchRefusedError (400)   a media URL the fetch rules refuse; nothing was fetched
@@ -37,6 +38,7 @@ from typing import Final
 
 __all__ = [
     "AbortedError",
+    "BodyTimeoutError",
     "ConflictError",
     "DeadlineExceeded",
     "DuplicateRequestError",
@@ -91,6 +93,10 @@ class UnauthorizedError(RequestError):
 
 class UnknownRequestError(RequestError):
     status_code = 404
+
+
+class BodyTimeoutError(RequestError):
+    status_code = 408
 
 
 class ConflictError(RequestError):
@@ -199,7 +205,8 @@ def error_body(exc: BaseException, req_id: str | None = None) -> dict[str, objec
 # 413 and 431 (a body, media or head over a limit) are RESOURCE_EXHAUSTED, the code grpcio itself
 # gives a message over its size limit, so a caller sees one code for "too large" either way.
 GRPC_STATUS: Final[Mapping[int, str]] = MappingProxyType({
-    400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 409: "ALREADY_EXISTS",
+    400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 408: "DEADLINE_EXCEEDED",
+    409: "ALREADY_EXISTS",
     413: "RESOURCE_EXHAUSTED", 431: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 503: "UNAVAILABLE",
     504: "DEADLINE_EXCEEDED",
 })

@@ -3,7 +3,9 @@
 Handlers stay thin: bodies are validated by ``epd_trio.protocol.requests``,
 work is done by ``EncoderService``, and every error — ours, Quart's (404, 405,
 413) or a bug — leaves as the protocol's JSON error shape with the status from
-``epd_trio.errors.http_status``. Never a traceback, never HTML.
+``epd_trio.errors.http_status``. Never a traceback, never HTML. ``POST /encode``,
+the data path, is served in front of Quart as bare ASGI (``encoder.asgi_route``
+says why), under the same limits and token.
 """
 
 from __future__ import annotations
@@ -19,12 +21,17 @@ from quart_trio import QuartTrio
 from epd_trio._http import (
     BearerAuth,
     JoinedBodyRequest,
+    Reply,
+    error_reply,
+    face_error_reply,
     install_error_handlers,
     json_error,
+    json_reply,
     json_response,
     parse_json_off_loop,
 )
 from epd_trio._version import __version__
+from epd_trio.encoder.asgi_route import BareRoutes, ErrorReply, Handler, RouteLimits
 from epd_trio.encoder.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from epd_trio.encoder.profiling import parse_profile_request
 from epd_trio.encoder.service import EncoderService
@@ -36,7 +43,7 @@ from epd_trio.protocol.requests import (
     parse_send_request,
 )
 
-__all__ = ["access_control", "add_shared_routes", "create_app"]
+__all__ = ["access_control", "add_shared_routes", "bare_routes", "create_app", "encode_handler"]
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +59,7 @@ def _peek_req_id(body: dict[str, Any]) -> str | None:
     return value if isinstance(value, str) and len(value) <= 256 else None
 
 
-def create_app(service: EncoderService) -> QuartTrio:
+def create_app(service: EncoderService) -> BareRoutes:
     """One app per service: no module-level state."""
     app = QuartTrio(__name__)
     app.request_class = JoinedBodyRequest  # large bodies copied once, not per chunk
@@ -62,7 +69,41 @@ def create_app(service: EncoderService) -> QuartTrio:
     _routes(app, service)
     add_shared_routes(app, service)
     install_error_handlers(app, "encoder")
-    return app
+    return bare_routes(app, service.config, {"/encode": encode_handler(service)})
+
+
+def bare_routes(app: QuartTrio, config: Any, routes: dict[str, Handler],
+                error_reply: ErrorReply = face_error_reply) -> BareRoutes:
+    """``routes`` in front of ``app``, under the face's limits, token rule and error shape."""
+    limits = RouteLimits(max_body_bytes=config.max_body_bytes, max_header_bytes=config.max_header_bytes,
+                         body_timeout=config.request_timeout, send_timeout=config.send_timeout)
+    auth = BearerAuth(config.auth_token) if config.require_auth_for_encode else None
+    return BareRoutes(app, routes, limits=limits, auth=auth, error_reply=error_reply)
+
+
+def encode_handler(service: EncoderService) -> Handler:
+    """``POST /encode``: the raw body in, the embedding (inline) or its description out."""
+
+    async def encode(raw: bytes) -> Reply:
+        body: dict[str, Any] = {}
+        try:
+            body = await parse_json_off_loop(raw, service.deliveries.threads)
+            req = parse_encode_request(body, max_items=service.config.max_items)
+        except EPDError as exc:
+            service.metrics.request("unknown", exc)  # the body's modality is not to be trusted
+            return error_reply(exc, _peek_req_id(body))
+        try:
+            answer = await service.encode(req)
+        except EPDError as exc:
+            return error_reply(exc, _peek_req_id(body))
+        if answer.body is not None:  # the embedding is the answer (inline)
+            return Reply(200, answer.body, SAFETENSORS_MIME)
+        meta = answer.meta.to_json()
+        if answer.nbytes is not None:  # the receiver pulls it later (Mooncake): reserve this much
+            meta["nbytes"] = answer.nbytes
+        return json_reply(meta)
+
+    return encode
 
 
 # Admin endpoints need the auth token whenever one is configured; the data
@@ -88,26 +129,6 @@ def access_control(app: QuartTrio, config: Any, data_paths: frozenset[str] = DAT
 
 
 def _routes(app: QuartTrio, service: EncoderService) -> None:
-    @app.post("/encode")
-    async def encode() -> Response:
-        body: dict[str, Any] = {}
-        try:
-            body = await _body(service.deliveries.threads)
-            req = parse_encode_request(body, max_items=service.config.max_items)
-        except EPDError as exc:
-            service.metrics.request("unknown", exc)  # the body's modality is not to be trusted
-            return json_error(exc, _peek_req_id(body))
-        try:
-            answer = await service.encode(req)
-        except EPDError as exc:
-            return json_error(exc, _peek_req_id(body))
-        if answer.body is not None:  # the embedding is the answer (inline)
-            return Response(answer.body, status=200, mimetype=SAFETENSORS_MIME)
-        meta = answer.meta.to_json()
-        if answer.nbytes is not None:  # the receiver pulls it later (Mooncake): reserve this much
-            meta["nbytes"] = answer.nbytes
-        return json_response(meta)
-
     @app.post("/send")
     async def send() -> Response:
         body = await _body(service.deliveries.threads)

@@ -26,13 +26,13 @@ from urllib.parse import urlsplit
 
 import hypercorn.trio
 import trio
-from quart_trio import QuartTrio
 
 from epd_trio.bootstrap.registration import Registration, open_registration
 from epd_trio.protocol.urls import normalize_url
 from epd_trio._http import hypercorn_config
 from epd_trio.config import EncoderConfig
 from epd_trio.encoder.app import create_app
+from epd_trio.encoder.asgi_route import ASGIApp
 from epd_trio.encoder.grpc_server import GrpcServer, open_grpc_server
 from epd_trio.encoder.sglang_app import create_sglang_app
 from epd_trio.encoder.service import EncoderService, open_encoder_service
@@ -44,7 +44,7 @@ __all__ = ["EncoderServer", "run_encoder", "serve_encoder"]
 log = logging.getLogger(__name__)
 
 # ``--api`` → the face that speaks it; a face is one module and one line here.
-FACES: Final[Mapping[str, Callable[[EncoderService], QuartTrio]]] = MappingProxyType({
+FACES: Final[Mapping[str, Callable[[EncoderService], ASGIApp]]] = MappingProxyType({
     "native": create_app,
     "sglang": create_sglang_app,
 })

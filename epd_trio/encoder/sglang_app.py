@@ -31,11 +31,13 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from epd_trio._http import JoinedBodyRequest, json_response, parse_json_off_loop
-from epd_trio.encoder.app import DATA_PATHS, access_control, add_shared_routes
+from epd_trio._http import JoinedBodyRequest, Reply, as_response, json_reply, json_response, parse_json_off_loop
+from epd_trio.encoder.app import DATA_PATHS, access_control, add_shared_routes, bare_routes
+from epd_trio.encoder.asgi_route import BareRoutes, Handler
 from epd_trio.encoder.profiling import parse_profile_request
 from epd_trio.encoder.service import EncoderService
 from epd_trio.errors import EPDError, PayloadTooLargeError, error_body, http_status
+from epd_trio.protocol.requests import parse_json_body
 from epd_trio.protocol.sglang_requests import (
     parse_meta_request,
     parse_receive_url,
@@ -52,55 +54,76 @@ SGLANG_DATA_PATHS = DATA_PATHS | {"/scheduler_receive_url", "/scheduler_receive_
 _PROFILE_FIELDS = ("output_dir", "num_steps")
 
 
-def sglang_error(exc: BaseException, req_id: object = None) -> Response:
+def sglang_error_reply(exc: BaseException, req_id: object = None) -> Reply:
     """SGLang's error body; the message is the same safe text as ours (never a traceback)."""
+    if isinstance(exc, HTTPException):  # a framework's 404, 405, 413
+        if exc.code == 413:  # refused unread: the connection cannot carry another request
+            return sglang_error_reply(PayloadTooLargeError("request body is over the size limit")).closing()
+        return json_reply({"status": "error", "message": exc.description or exc.name,
+                           "req_id": None}, exc.code or 500)
     message = error_body(exc)["error"]["message"]  # type: ignore[index]
-    return json_response({"status": "error", "message": message,
-                          "req_id": req_id if isinstance(req_id, str) else None}, http_status(exc))
+    return json_reply({"status": "error", "message": message,
+                       "req_id": req_id if isinstance(req_id, str) else None}, http_status(exc))
+
+
+def sglang_error(exc: BaseException, req_id: object = None) -> Response:
+    return as_response(sglang_error_reply(exc, req_id))
+
+
+def _parse_body(raw: bytes) -> dict[str, Any]:
+    """SGLang's routes may get no body, or ``null``: both mean ``{}``."""
+    empty = len(raw) <= 16 and raw.strip() in (b"", b"null")  # never strips (copies) a large body
+    return {} if empty else parse_json_body(raw)
 
 
 async def _body(threads: trio.CapacityLimiter) -> dict[str, Any]:
-    raw = await request.get_data(cache=False)
-    return await parse_json_off_loop(raw, threads) if raw.strip() not in (b"", b"null") else {}
+    return await parse_json_off_loop(await request.get_data(cache=False), threads, _parse_body)
 
 
-def create_sglang_app(service: EncoderService) -> QuartTrio:
-    """One app per service: no module-level state."""
+def create_sglang_app(service: EncoderService) -> BareRoutes:
+    """One app per service: no module-level state. ``/encode`` is served in front of
+    Quart, as the native face's is (``encoder.asgi_route``)."""
     app = QuartTrio(__name__)
     app.request_class = JoinedBodyRequest  # large bodies copied once, not per chunk
     app.config["MAX_CONTENT_LENGTH"] = service.config.max_body_bytes
     app.config["BODY_TIMEOUT"] = service.config.request_timeout
     access_control(app, service.config, SGLANG_DATA_PATHS)
-    _encode_routes(app, service)
+    _rendezvous_routes(app, service)
     _mooncake_routes(app, service)
     _operation_routes(app, service)
     add_shared_routes(app, service)
     _error_handlers(app)
-    return app
+    return bare_routes(app, service.config, {"/encode": encode_handler(service)}, sglang_error_reply)
 
 
-def _encode_routes(app: QuartTrio, service: EncoderService) -> None:
+def encode_handler(service: EncoderService) -> Handler:
+    """SGLang's ``POST /encode``: its body in; null, or the sizes SGLang reserves, out."""
     config = service.config
 
-    @app.post("/encode")
-    async def encode() -> Response:
+    async def encode(raw: bytes) -> Reply:
         body: dict[str, Any] = {}
         try:
-            body = await _body(service.deliveries.threads)
+            body = await parse_json_off_loop(raw, service.deliveries.threads, _parse_body)
             req = parse_sglang_encode(body, backend=config.encoder_transfer_backend,
                                       max_items=config.max_items)
         except EPDError as exc:
             service.metrics.request("unknown", exc)
-            return sglang_error(exc, body.get("req_id"))
+            return sglang_error_reply(exc, body.get("req_id"))
         try:
             answer = await service.encode(req)
         except EPDError as exc:
-            return sglang_error(exc, req.req_id)
+            return sglang_error_reply(exc, req.req_id)
         if answer.nbytes is None:
-            return json_response(None)  # every destination has the part
+            return json_reply(None)  # every destination has the part
         echo = {k: v for k, v in body.items() if k not in ("mm_items", "time_stats_json")}
-        return json_response({**echo, "embedding_size": answer.nbytes,
-                              "embedding_len": answer.meta.tokens, "embedding_dim": answer.meta.dim})
+        return json_reply({**echo, "embedding_size": answer.nbytes,
+                           "embedding_len": answer.meta.tokens, "embedding_dim": answer.meta.dim})
+
+    return encode
+
+
+def _rendezvous_routes(app: QuartTrio, service: EncoderService) -> None:
+    config = service.config
 
     @app.post("/scheduler_receive_url")
     async def scheduler_receive_url() -> Response:
@@ -171,12 +194,7 @@ def _error_handlers(app: QuartTrio) -> None:
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
-        if exc.code == 413:  # refused unread: the connection cannot carry another request
-            response = sglang_error(PayloadTooLargeError("request body is over the size limit"))
-            response.headers["Connection"] = "close"
-            return response
-        return json_response({"status": "error", "message": exc.description or exc.name,
-                              "req_id": None}, exc.code or 500)
+        return sglang_error(exc)
 
     @app.errorhandler(Exception)
     async def bug(exc: Exception) -> Response:

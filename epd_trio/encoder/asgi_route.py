@@ -1,0 +1,145 @@
+"""The data path's hot route, served as bare ASGI in front of a face's Quart app.
+
+Why: Quart's per-request machinery (request and response objects, the request
+context, routing, hooks, signals) costs the trio thread about as much as
+Hypercorn's own HTTP/1.1 work — measured ~0.8–1.0 ms per request on a 2-core VM,
+where a whole small ``/encode`` costs ~5 ms (README, *Capacity*). ``/encode``
+carries every request of the data path, so it is served here, by a handler that
+takes the raw body and gives a ``Reply``; every other path, and lifespan, goes
+to the Quart app unchanged.
+
+The route keeps the face's rules: the head-size limit and the bearer token are
+checked before the body is read; the body is bounded by ``max_body_bytes`` (413)
+and by ``body_timeout`` (408). A reply given before the whole body was read
+closes the connection, whose unread bytes could be taken for another request. A client that disconnects cancels the
+handler (the service then aborts the request's scope); the reply is given
+``send_timeout`` to leave. Another method is a 405, a bug a logged 500, and
+every error the protocol's JSON shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+from werkzeug.exceptions import MethodNotAllowed
+
+from epd_trio._http import BearerAuth, Reply, face_error_reply
+from epd_trio.errors import BodyTimeoutError, EPDError, HeadersTooLargeError, PayloadTooLargeError
+
+__all__ = ["ASGIApp", "BareRoutes", "Handler", "RouteLimits"]
+
+log = logging.getLogger(__name__)
+
+ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[dict[str, Any]]],
+                    Callable[[dict[str, Any]], Awaitable[None]]], Awaitable[None]]
+Handler = Callable[[bytes], Awaitable[Reply]]
+"""A POST route: the whole request body in, the answer out (errors as ``Reply`` too)."""
+ErrorReply = Callable[[BaseException], Reply]
+"""A face's error shape, for what the route refuses itself (ours, or werkzeug's 405)."""
+
+
+@dataclass(frozen=True)
+class RouteLimits:
+    max_body_bytes: int
+    max_header_bytes: int
+    body_timeout: float  # seconds for the whole body to arrive
+    send_timeout: float  # seconds for the reply to leave
+
+
+class BareRoutes:
+    """An ASGI app: ``routes`` (exact paths, POST) served here, the rest by ``fallback``."""
+
+    def __init__(self, fallback: ASGIApp, routes: Mapping[str, Handler], *, limits: RouteLimits,
+                 auth: BearerAuth | None = None, error_reply: ErrorReply = face_error_reply) -> None:
+        self.fallback = fallback
+        self._routes = dict(routes)
+        self._limits = limits
+        self._auth = auth  # None: the routes are open
+        self._error_reply = error_reply
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        handler = self._routes.get(scope["path"]) if scope["type"] == "http" else None
+        if handler is None:
+            await self.fallback(scope, receive, send)
+            return
+        async with trio.open_nursery() as nursery:
+            reply = await self._answer(handler, scope, receive, nursery)
+            if reply is not None:
+                with trio.move_on_after(self._limits.send_timeout):
+                    await _send(send, reply)
+            nursery.cancel_scope.cancel()  # the disconnect watcher, if it runs
+
+    async def _answer(self, handler: Handler, scope: dict[str, Any], receive: Any,
+                      nursery: trio.Nursery) -> Reply | None:
+        """The reply, or None when the client left before its body was read."""
+        # A reply given before the whole body was read closes the connection.
+        if scope["method"] != "POST":
+            reply = self._error_reply(MethodNotAllowed(["POST"]))
+            return Reply(reply.status, reply.body, reply.content_type, (("Allow", "POST"),)).closing()
+        try:
+            try:
+                self._check_head(scope)
+                body = await self._read_body(scope, receive)
+            except EPDError as exc:
+                return self._error_reply(exc).closing()
+            if body is None:
+                return None
+            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+            return await handler(body)
+        except EPDError as exc:
+            return self._error_reply(exc)
+        except Exception as exc:  # a bug: answer 500, keep serving
+            log.exception("unhandled error in %s", scope["path"])
+            return self._error_reply(exc)
+
+    def _check_head(self, scope: dict[str, Any]) -> None:
+        """The face's rules before any body is read: the head's size, then the token."""
+        headers = scope["headers"]
+        head = sum(len(k) + len(v) + 4 for k, v in headers)
+        head += len(scope.get("raw_path") or scope["path"]) + 1 + len(scope["query_string"])
+        if head > self._limits.max_header_bytes:
+            raise HeadersTooLargeError(f"request head is over {self._limits.max_header_bytes} bytes")
+        if self._auth is not None:
+            given = next((v for k, v in headers if k == b"authorization"), None)
+            self._auth.check(None if given is None else given.decode("latin-1"), scope["path"])
+
+    async def _read_body(self, scope: dict[str, Any], receive: Any) -> bytes | None:
+        limit = self._limits.max_body_bytes
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if declared is not None and int(declared) > limit:  # h11 has checked it is a number
+            raise PayloadTooLargeError("request body is over the size limit")
+        chunks: list[bytes] = []
+        size = 0
+        with trio.move_on_after(self._limits.body_timeout):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return None
+                chunk = message.get("body", b"")
+                if chunk:
+                    size += len(chunk)
+                    if size > limit:
+                        raise PayloadTooLargeError("request body is over the size limit")
+                    chunks.append(bytes(chunk))
+                if not message.get("more_body", False):
+                    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        raise BodyTimeoutError(f"the request body did not arrive within {self._limits.body_timeout:g} s")
+
+
+async def _cancel_on_disconnect(receive: Any, cancel_scope: trio.CancelScope) -> None:
+    """Once the body is read, the next message can only be the client leaving."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    cancel_scope.cancel()
+
+
+async def _send(send: Any, reply: Reply) -> None:
+    headers = [(b"content-type", reply.content_type.encode()),
+               (b"content-length", str(len(reply.body)).encode()),
+               *((name.lower().encode(), value.encode()) for name, value in reply.headers)]
+    await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+    await send({"type": "http.response.body", "body": reply.body})
