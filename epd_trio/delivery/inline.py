@@ -48,7 +48,7 @@ class InlineDelivery:
             "req_id": meta.req_id, "part_idx": meta.part_idx, "num_parts": meta.num_parts,
             "modality": meta.modality, "token_counts": meta.token_counts,
             "grid_thw": meta.grid_thw, "extras": meta.extras})
-        if embedding.numel() * embedding.element_size() < self.offload_bytes:
+        if embedding.nbytes < self.offload_bytes:
             body = build()
         else:
             self.built_off_loop += 1

@@ -198,24 +198,23 @@ def encode_safetensors(embedding: torch.Tensor, metadata: Mapping[str, Any]) -> 
     }
     if "extras" in checked:
         strings["extras"] = json.dumps(checked["extras"], allow_nan=False)
-    return _write_safetensors(embedding.detach().cpu().contiguous(), strings)
+    return _write_safetensors(header, tensor_bytes(embedding), strings)
 
 
-_ST_NAMES: Final = {torch_dtype: name for name, torch_dtype in (
-    ("BF16", torch.bfloat16), ("F16", torch.float16), ("F32", torch.float32))}
+_ST_NAMES: Final = {name: st for st, name in _ST_DTYPES.items()}
 
 
-def _write_safetensors(tensor: torch.Tensor, metadata: Mapping[str, str]) -> bytes:
+def _write_safetensors(header: EmbeddingHeader, data: memoryview, metadata: Mapping[str, str]) -> bytes:
     """One-tensor safetensors file, written directly: the 8-byte header length, the JSON
     header padded with spaces to 8 bytes, the tensor's bytes. ``safetensors.torch.save``
     writes the same format, but its per-call work (numpy conversions, several copies) cost
-    a small inline answer more than the rest of its delivery; here the bytes are copied once.
+    a small inline answer more than the rest of its delivery; here the bytes are copied once,
+    and no torch op runs (``tensor_bytes``: each would release the GIL).
     """
-    data = tensor.view(torch.uint8).numpy() if tensor.numel() else b""
     head = json.dumps({
         "__metadata__": dict(metadata),
-        "embedding": {"dtype": _ST_NAMES[tensor.dtype], "shape": list(tensor.shape),
-                      "data_offsets": [0, tensor.numel() * tensor.element_size()]},
+        "embedding": {"dtype": _ST_NAMES[header.dtype], "shape": list(header.shape),
+                      "data_offsets": [0, data.nbytes]},
     }, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
     return b"".join((len(head).to_bytes(8, "little"), head, data))
