@@ -3,9 +3,9 @@
 Handlers stay thin: bodies are validated by ``epd_trio.protocol.requests``,
 work is done by ``EncoderService``, and every error — ours, Quart's (404, 405,
 413) or a bug — leaves as the protocol's JSON error shape with the status from
-``epd_trio.errors.http_status``. Never a traceback, never HTML. ``POST /encode``,
-the data path, is served in front of Quart as bare ASGI (``encoder.asgi_route``
-says why), under the same limits and token.
+``epd_trio.errors.http_status``. Never a traceback, never HTML. ``POST /encode``
+and ``/send``, the data path, are served in front of Quart as bare ASGI
+(``encoder.asgi_route`` says why), under the same limits and token.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from epd_trio._http import (
     error_reply,
     face_error_reply,
     install_error_handlers,
-    json_error,
     json_reply,
     json_response,
     parse_json_off_loop,
@@ -43,7 +42,8 @@ from epd_trio.protocol.requests import (
     parse_send_request,
 )
 
-__all__ = ["access_control", "add_shared_routes", "bare_routes", "create_app", "encode_handler"]
+__all__ = ["access_control", "add_shared_routes", "bare_routes", "create_app", "encode_handler",
+           "send_handler"]
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,8 @@ def create_app(service: EncoderService) -> BareRoutes:
     _routes(app, service)
     add_shared_routes(app, service)
     install_error_handlers(app, "encoder")
-    return bare_routes(app, service.config, {"/encode": encode_handler(service)})
+    return bare_routes(app, service.config, {"/encode": encode_handler(service),
+                                             "/send": send_handler(service)})
 
 
 def bare_routes(app: QuartTrio, config: Any, routes: dict[str, Handler],
@@ -128,18 +129,23 @@ def access_control(app: QuartTrio, config: Any, data_paths: frozenset[str] = DAT
             auth.check(request.headers.get("Authorization"), request.path)
 
 
-def _routes(app: QuartTrio, service: EncoderService) -> None:
-    @app.post("/send")
-    async def send() -> Response:
-        body = await _body(service.deliveries.threads)
+def send_handler(service: EncoderService) -> Handler:
+    """``POST /send``: a Mooncake receiver's order for its copy; the bytes written."""
+
+    async def send(raw: bytes) -> Reply:
+        body = await parse_json_off_loop(raw, service.deliveries.threads)
         try:
             req = parse_send_request(body)
             nbytes = await service.send(req.req_id, req.part_idx, session=req.session,
                                         address=req.buffer_address, length=req.buffer_length)
         except EPDError as exc:
-            return json_error(exc, _peek_req_id(body))
-        return json_response({"req_id": req.req_id, "part_idx": req.part_idx, "nbytes": nbytes})
+            return error_reply(exc, _peek_req_id(body))
+        return json_reply({"req_id": req.req_id, "part_idx": req.part_idx, "nbytes": nbytes})
 
+    return send
+
+
+def _routes(app: QuartTrio, service: EncoderService) -> None:
     @app.get("/health")
     async def health() -> Response:
         report = await service.check_health()

@@ -24,6 +24,7 @@ the destinations and sizes table is the deliveries' rendezvous.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -81,19 +82,17 @@ async def _body(threads: trio.CapacityLimiter) -> dict[str, Any]:
 
 
 def create_sglang_app(service: EncoderService) -> BareRoutes:
-    """One app per service: no module-level state. ``/encode`` is served in front of
-    Quart, as the native face's is (``encoder.asgi_route``)."""
+    """One app per service: no module-level state. The data path's routes are served in
+    front of Quart, as the native face's are (``encoder.asgi_route``)."""
     app = QuartTrio(__name__)
     app.request_class = JoinedBodyRequest  # large bodies copied once, not per chunk
     app.config["MAX_CONTENT_LENGTH"] = service.config.max_body_bytes
     app.config["BODY_TIMEOUT"] = service.config.request_timeout
     access_control(app, service.config, SGLANG_DATA_PATHS)
-    _rendezvous_routes(app, service)
-    _mooncake_routes(app, service)
     _operation_routes(app, service)
     add_shared_routes(app, service)
     _error_handlers(app)
-    return bare_routes(app, service.config, {"/encode": encode_handler(service)}, sglang_error_reply)
+    return bare_routes(app, service.config, _data_routes(service), sglang_error_reply)
 
 
 def encode_handler(service: EncoderService) -> Handler:
@@ -122,45 +121,43 @@ def encode_handler(service: EncoderService) -> Handler:
     return encode
 
 
-def _rendezvous_routes(app: QuartTrio, service: EncoderService) -> None:
+def _data_route(service: EncoderService, answer: Callable[[dict[str, Any]], Awaitable[Any]]) -> Handler:
+    """A JSON route of the data path: ``answer(body)`` is the JSON answer, an error SGLang's shape."""
+
+    async def route(raw: bytes) -> Reply:
+        body = await parse_json_off_loop(raw, service.deliveries.threads, _parse_body)
+        try:
+            return json_reply(await answer(body))
+        except EPDError as exc:
+            return sglang_error_reply(exc, body.get("req_id"))
+
+    return route
+
+
+def _data_routes(service: EncoderService) -> dict[str, Handler]:
+    """Every route SGLang calls per request: served in front of Quart."""
     config = service.config
 
-    @app.post("/scheduler_receive_url")
-    async def scheduler_receive_url() -> Response:
-        body = await _body(service.deliveries.threads)
-        try:
-            reg = parse_receive_url(body)
-            await service.deliveries.rendezvous.register(
-                reg.req_id, reg.receive_count, reg.receive_url, timeout=config.request_timeout)
-        except EPDError as exc:
-            return sglang_error(exc, body.get("req_id"))
-        return json_response(None)
+    async def scheduler_receive_url(body: dict[str, Any]) -> None:
+        reg = parse_receive_url(body)
+        await service.deliveries.rendezvous.register(
+            reg.req_id, reg.receive_count, reg.receive_url, timeout=config.request_timeout)
 
+    async def scheduler_receive_meta_data(body: dict[str, Any]) -> dict[str, Any]:
+        req_id, part_idx = parse_meta_request(body)
+        sizes = await service.deliveries.rendezvous.wait_sizes(req_id, timeout=config.request_timeout)
+        return {"req_id": req_id, "part_idx": part_idx, **sizes}
 
-def _mooncake_routes(app: QuartTrio, service: EncoderService) -> None:
-    config = service.config
+    async def send(body: dict[str, Any]) -> None:
+        order = parse_sglang_send(body)
+        await service.send(order.req_id, order.part_idx, session=order.session,
+                           address=order.buffer_address, length=order.length,
+                           completion=order.completion, receive_count=order.receive_count)
 
-    @app.post("/scheduler_receive_meta_data")
-    async def scheduler_receive_meta_data() -> Response:
-        body = await _body(service.deliveries.threads)
-        try:
-            req_id, part_idx = parse_meta_request(body)
-            sizes = await service.deliveries.rendezvous.wait_sizes(req_id, timeout=config.request_timeout)
-        except EPDError as exc:
-            return sglang_error(exc, body.get("req_id"))
-        return json_response({"req_id": req_id, "part_idx": part_idx, **sizes})
-
-    @app.post("/send")
-    async def send() -> Response:
-        body = await _body(service.deliveries.threads)
-        try:
-            order = parse_sglang_send(body)
-            await service.send(order.req_id, order.part_idx, session=order.session,
-                               address=order.buffer_address, length=order.length,
-                               completion=order.completion, receive_count=order.receive_count)
-        except EPDError as exc:
-            return sglang_error(exc, body.get("req_id"))
-        return json_response(None)
+    return {"/encode": encode_handler(service),
+            "/scheduler_receive_url": _data_route(service, scheduler_receive_url),
+            "/scheduler_receive_meta_data": _data_route(service, scheduler_receive_meta_data),
+            "/send": _data_route(service, send)}
 
 
 def _operation_routes(app: QuartTrio, service: EncoderService) -> None:

@@ -146,3 +146,23 @@ async def test_a_bug_in_the_handler_is_a_logged_500(encoder: Any, caplog: pytest
         assert r.status_code == 500 and error_of(r)["type"] == "InternalError"
         assert "boom" not in r.text
     assert "unhandled error in /encode" in caplog.text
+
+
+async def test_send_is_bare_too(encoder: Any) -> None:
+    async with encoder() as (_, http):
+        assert (await http.get("/send")).headers["allow"] == "POST"
+        r = await http.post("/send", json={"req_id": "gone", "part_idx": 0, "session": "127.0.0.1:17777",
+                                           "buffer_address": 4096, "buffer_length": 16})
+        assert r.status_code == 404 and error_of(r)["type"] == "UnknownRequestError"
+
+
+async def test_sglang_face_serves_its_data_routes_bare_in_its_error_shape(encoder: Any) -> None:
+    paths = ("/encode", "/send", "/scheduler_receive_url", "/scheduler_receive_meta_data")
+    async with encoder(api="sglang") as (_, http):
+        for path in paths:
+            r = await http.get(path)
+            assert r.status_code == 405 and r.headers["allow"] == "POST", path
+            assert r.json()["status"] == "error", path
+            bad = await http.post(path, content=b"{bad", headers={"content-type": "application/json"})
+            assert bad.status_code == 400 and bad.json()["status"] == "error", (path, bad.text)
+        assert (await http.get("/health_generate")).status_code == 200  # still Quart's
