@@ -135,7 +135,7 @@ def copy_parts(slot: Slot, layouts: Sequence[ModalityLayout]) -> dict[str, torch
         dest, row = out[layout.modality], 0
         for r in layout.parts:
             assert r.payload is not None, "copy_parts needs the parts' payloads"
-            r.payload.copy_into(dest[row:row + r.tokens])
+            r.payload.copy_into(dest, row)
             row += r.tokens
     return out
 

@@ -42,10 +42,10 @@ class _HostMemory:
 
     __slots__ = ("__array_interface__", "tensor")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, *, writable: bool = False) -> None:
         self.tensor = tensor  # the array's base is this holder: the tensor outlives every view
-        self.__array_interface__ = {"data": (tensor.data_ptr(), True), "shape": (tensor.nbytes,),
-                                    "typestr": "|u1", "version": 3}
+        self.__array_interface__ = {"data": (tensor.data_ptr(), not writable),
+                                    "shape": (tensor.nbytes,), "typestr": "|u1", "version": 3}
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -106,16 +106,20 @@ class Payload:
     def nbytes(self) -> int:
         return sum(f.nbytes for f in self.frames)
 
-    def copy_into(self, dest: torch.Tensor) -> None:
-        """Copy the bytes into ``dest`` (contiguous, CPU, this dtype and shape); blocking."""
-        if dest.dtype != self.dtype or tuple(dest.shape) != self.shape or not dest.is_contiguous():
-            raise ValueError(f"destination {dest.dtype} {tuple(dest.shape)} is not a contiguous"
-                             f" {self.dtype} {self.shape}")
+    def copy_into(self, dest: torch.Tensor, first_row: int = 0) -> None:
+        """Copy the bytes into rows ``first_row``.. of ``dest`` (contiguous CPU, this dtype and
+        width, rows enough); blocking. Rows are addressed here, not sliced by the caller, so
+        the copy runs no torch op (``_HostMemory``)."""
+        rows, dim = self.shape
+        if dest.dtype != self.dtype or dest.dim() != 2 or dest.shape[1] != dim \
+                or not 0 <= first_row <= dest.shape[0] - rows or not (dest.is_cpu and dest.is_contiguous()):
+            raise ValueError(f"destination {dest.dtype} {tuple(dest.shape)} from row {first_row} cannot"
+                             f" take a contiguous CPU {self.dtype} {self.shape}")
         if self.nbytes == 0:
             return
         # numpy, not torch.frombuffer: a read-only buffer (bytes) copies without a warning.
-        flat = dest.reshape(-1).view(torch.uint8).numpy()
-        offset = 0
+        flat = np.asarray(_HostMemory(dest, writable=True))
+        offset = first_row * dim * self.dtype.itemsize
         for frame in self.frames:
             flat[offset:offset + frame.nbytes] = np.frombuffer(frame, dtype=np.uint8)
             offset += frame.nbytes

@@ -11,7 +11,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from epd_trio.protocol import encode_safetensors
-from epd_trio.protocol.payload import tensor_bytes
+from epd_trio.protocol.payload import Payload, split_frames, tensor_bytes
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -71,3 +71,18 @@ def test_a_contiguous_cpu_tensor_costs_no_dispatched_op() -> None:
     with TorchCalls() as strided:
         tensor_bytes(t.t())  # not contiguous: one copy, which is a torch op
     assert "contiguous" in strided.names
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_payload_copies_into_its_rows_of_a_larger_tensor_and_nowhere_else(dtype: torch.dtype) -> None:
+    part = torch.arange(24, dtype=torch.float32).reshape(3, 8).to(dtype)
+    payload = Payload.gather(split_frames(tensor_bytes(part), 10), dtype, (3, 8))
+    dest = torch.full((10, 8), -1.0).to(dtype)
+    with TorchCalls() as calls:
+        payload.copy_into(dest, 4)
+    assert set(calls.names) <= GIL_KEEPING | {"dim"}, calls.names
+    assert torch.equal(dest[4:7].view(torch.uint8), part.view(torch.uint8))
+    assert bool((dest[:4] == -1).all()) and bool((dest[7:] == -1).all())
+    for row in (-1, 8):
+        with pytest.raises(ValueError, match=f"from row {row}"):
+            payload.copy_into(dest, row)
