@@ -1,20 +1,21 @@
-"""The data path's hot route, served as bare ASGI in front of a face's Quart app.
+"""The data path's routes, served as bare ASGI in front of a face's Quart app.
 
 Why: Quart's per-request machinery (request and response objects, the request
 context, routing, hooks, signals) costs the trio thread about as much as
 Hypercorn's own HTTP/1.1 work — measured ~0.8–1.0 ms per request on a 2-core VM,
-where a whole small ``/encode`` costs ~5 ms (README, *Capacity*). ``/encode``
-carries every request of the data path, so it is served here, by a handler that
-takes the raw body and gives a ``Reply``; every other path, and lifespan, goes
-to the Quart app unchanged.
+where a whole small ``/encode`` cost ~5 ms (README, *The data path off Quart*).
+The routes every request passes through (``/encode``, ``/send``, SGLang's
+rendezvous) are served here, each by a handler that takes the raw body and
+gives a ``Reply``; every other path, and lifespan, goes to the Quart app.
 
-The route keeps the face's rules: the head-size limit and the bearer token are
-checked before the body is read; the body is bounded by ``max_body_bytes`` (413)
-and by ``body_timeout`` (408). A reply given before the whole body was read
-closes the connection, whose unread bytes could be taken for another request. A client that disconnects cancels the
-handler (the service then aborts the request's scope); the reply is given
-``send_timeout`` to leave. Another method is a 405, a bug a logged 500, and
-every error the protocol's JSON shape.
+The routes keep the face's rules: the head-size limit and the bearer token are
+checked before the body is read; the body is bounded by ``max_body_bytes``
+(413) and by ``body_timeout`` (408). A reply given before the whole body was
+read closes the connection, whose unread bytes could be taken for another
+request. A client that disconnects cancels the handler (the service then
+aborts the request's scope); the reply is given ``send_timeout`` to leave.
+Another method is a 405, a bug a logged 500, and every error the face's JSON
+shape.
 """
 
 from __future__ import annotations
