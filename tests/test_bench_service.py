@@ -23,7 +23,8 @@ def test_a_tiny_run_reports_grpc_beside_http(tmp_path: Path) -> None:
     out = done.stdout
     latency = out.split("latency, tiny model")[1].split("== 2.")[0]
     rows = {line.split()[0]: line for line in latency.splitlines() if line.split()}
-    for path in ("engine", "service", "inline", "grpc", "scope", "http-get", "http-post", "grpc-abort"):
+    for path in ("engine", "service", "inline", "grpc", "scope", "http-get", "http-post", "http-bare",
+                 "grpc-abort"):
         assert path in rows, out
     assert re.search(r"max rel diff vs engine 0\.0e\+00; p50 vs inline HTTP [+-]\d", rows["grpc"])
     assert "vs engine on image 0: max rel diff service 0.0e+00, inline 0.0e+00, grpc 0.0e+00" in out

@@ -174,25 +174,33 @@ def request_paths(server: Any, client: Any, http: Any, grpc: Any) -> dict[str, C
     async def post_floor(item: Any) -> Any:
         return (await http.post(f"{server.url}/abort", json={"req_id": "bench-none"})).json()
 
+    async def bare_floor(item: Any) -> Any:  # a route served in front of Quart, as /encode is
+        order = {"req_id": "bench-none", "part_idx": 0, "session": "127.0.0.1:17777",
+                 "buffer_address": 4096, "buffer_length": 16}
+        return (await http.post(f"{server.url}/send", json=order)).json()  # 404: no such request
+
     return {"engine": via_engine, "service": via_service, "inline": via_inline,
             "grpc": via_grpc, "scope": scope_only, "http-get": get_floor,
-            "http-post": post_floor, "grpc-abort": grpc_floor, "service_copy": service_copy}
+            "http-post": post_floor, "http-bare": bare_floor, "grpc-abort": grpc_floor,
+            "service_copy": service_copy}
 
 
 MEASURED = ("engine", "service", "inline", "grpc")
 # --breakdown: the pieces in between. ``scope`` is ``service.encode``, the encoder's
 # request scope without HTTP (inline delivery); the others encode nothing: an HTTP
-# round trip alone (httpx + Hypercorn + Quart), without and with a JSON body, and a
-# gRPC unary round trip alone (an Abort of no request: NOT_FOUND).
-BREAKDOWN = ("scope", "http-get", "http-post", "grpc-abort")
+# round trip alone (httpx + Hypercorn + Quart), without and with a JSON body, the same
+# with a JSON body on a route served in front of Quart (encoder/asgi_route.py, as
+# /encode is), and a gRPC unary round trip alone (an Abort of no request: NOT_FOUND).
+BREAKDOWN = ("scope", "http-get", "http-post", "http-bare", "grpc-abort")
 NOTES = {
     "scope": "service.encode(): request scope, no HTTP",
     "http-get": "GET /model_info: HTTP round trip alone",
     "http-post": "POST /abort (no-op): HTTP + JSON body alone",
+    "http-bare": "POST /send (no such request, 404): the same, in front of Quart",
     "grpc-abort": "Abort (no-op, NOT_FOUND): gRPC round trip alone",
 }
 # The transport-only floors: no encode, so no "added" figure against the engine.
-FLOORS = ("http-get", "http-post", "grpc-abort")
+FLOORS = ("http-get", "http-post", "http-bare", "grpc-abort")
 
 
 async def check_same(paths: dict[str, Call], item: Any, names: Sequence[str]) -> dict[str, float]:
