@@ -10,7 +10,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -40,6 +40,8 @@ __all__ = [
     "json_reply",
     "json_response",
     "parse_json_off_loop",
+    "shield_sends",
+    "shielded_send",
 ]
 
 log = logging.getLogger(__name__)
@@ -210,6 +212,32 @@ def install_error_handlers(app: QuartTrio, what: str) -> None:
     async def bug(exc: Exception) -> Response:
         log.exception("unhandled error in a %s handler", what)
         return json_error(exc)
+
+
+def shielded_send(send: Callable[[dict[str, Any]], Awaitable[None]]) -> Callable[[dict[str, Any]], Awaitable[None]]:
+    """``send``, run to its end even when its caller is cancelled.
+
+    Hypercorn closes a ``Connection: close`` connection inside the app's last
+    ``send``; quart-trio (and our bare routes) cancel the handler as soon as the
+    disconnect that close causes arrives, which cut the close short: the socket
+    stayed open, and a client waiting for it hung. Hypercorn shields its own
+    socket writes, so a shield here adds no wait that was not there.
+    """
+
+    async def shielded(message: dict[str, Any]) -> None:
+        with trio.CancelScope(shield=True):
+            await send(message)
+
+    return shielded
+
+
+def shield_sends(app: Any) -> Callable[..., Awaitable[None]]:
+    """An ASGI ``app`` whose every ``send`` is ``shielded_send``."""
+
+    async def shielded_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await app(scope, receive, shielded_send(send))
+
+    return shielded_app
 
 
 def hypercorn_config(host: str, port: int, graceful_timeout: float,

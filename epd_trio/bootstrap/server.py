@@ -22,7 +22,7 @@ import trio
 from epd_trio.bootstrap.app import create_app
 from epd_trio.bootstrap.health import HealthLoop, HealthLoopStatistics, Probe, http_probe
 from epd_trio.bootstrap.registry import Registry, RegistryStatistics
-from epd_trio._http import hypercorn_config
+from epd_trio._http import hypercorn_config, shield_sends
 from epd_trio.config import BootstrapConfig
 
 __all__ = ["BootstrapServer", "BootstrapStatistics", "run_bootstrap", "serve_bootstrap"]
@@ -74,7 +74,7 @@ async def serve_bootstrap(config: BootstrapConfig, *, probe: Probe | None = None
                             interval=config.health_interval, timeout=config.health_timeout)
         stop = trio.Event()
         serve = functools.partial(hypercorn.trio.serve,
-                                  create_app(registry, health, auth_token=config.auth_token),
+                                  shield_sends(create_app(registry, health, auth_token=config.auth_token)),
                                   hypercorn_config(config.host, config.port, _HTTP_GRACE), shutdown_trigger=stop.wait)
         urls = await nursery.start(serve)
         try:

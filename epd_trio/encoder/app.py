@@ -77,7 +77,7 @@ def bare_routes(app: QuartTrio, config: Any, routes: dict[str, Handler],
                 error_reply: ErrorReply = face_error_reply) -> BareRoutes:
     """``routes`` in front of ``app``, under the face's limits, token rule and error shape."""
     limits = RouteLimits(max_body_bytes=config.max_body_bytes, max_header_bytes=config.max_header_bytes,
-                         body_timeout=config.request_timeout, send_timeout=config.send_timeout)
+                         body_timeout=config.request_timeout)
     auth = BearerAuth(config.auth_token) if config.require_auth_for_encode else None
     return BareRoutes(app, routes, limits=limits, auth=auth, error_reply=error_reply)
 

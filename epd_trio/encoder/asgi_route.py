@@ -13,9 +13,13 @@ checked before the body is read; the body is bounded by ``max_body_bytes``
 (413) and by ``body_timeout`` (408). A reply given before the whole body was
 read closes the connection, whose unread bytes could be taken for another
 request. A client that disconnects cancels the handler (the service then
-aborts the request's scope); the reply is given ``send_timeout`` to leave.
-Another method is a 405, a bug a logged 500, and every error the face's JSON
-shape.
+aborts the request's scope). Another method is a 405, a bug a logged 500, and
+every error the face's JSON shape.
+
+Every ``send``, the Quart app's too, is ``_http.shielded_send``: cancelling a
+send could leave a ``Connection: close`` socket open. For the same reason a
+reply has no timeout of its own: Hypercorn shields its socket writes, so one
+could only have cut that close short.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 import trio
 from werkzeug.exceptions import MethodNotAllowed
 
-from epd_trio._http import BearerAuth, Reply, face_error_reply
+from epd_trio._http import BearerAuth, Reply, face_error_reply, shielded_send
 from epd_trio.errors import BodyTimeoutError, EPDError, HeadersTooLargeError, PayloadTooLargeError
 
 __all__ = ["ASGIApp", "BareRoutes", "Handler", "RouteLimits"]
@@ -48,7 +52,6 @@ class RouteLimits:
     max_body_bytes: int
     max_header_bytes: int
     body_timeout: float  # seconds for the whole body to arrive
-    send_timeout: float  # seconds for the reply to leave
 
 
 class BareRoutes:
@@ -63,6 +66,7 @@ class BareRoutes:
         self._error_reply = error_reply
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        send = shielded_send(send)  # the Quart app's too (``shielded_send`` says why)
         handler = self._routes.get(scope["path"]) if scope["type"] == "http" else None
         if handler is None:
             await self.fallback(scope, receive, send)
@@ -70,8 +74,7 @@ class BareRoutes:
         async with trio.open_nursery() as nursery:
             reply = await self._answer(handler, scope, receive, nursery)
             if reply is not None:
-                with trio.move_on_after(self._limits.send_timeout):
-                    await _send(send, reply)
+                await _send(send, reply)
             nursery.cancel_scope.cancel()  # the disconnect watcher, if it runs
 
     async def _answer(self, handler: Handler, scope: dict[str, Any], receive: Any,

@@ -82,6 +82,21 @@ MALFORMED = [
 ]
 
 
+async def test_connection_close_is_honoured() -> None:
+    """A client that asks for ``Connection: close`` and reads until the close gets it
+    (quart-trio's disconnect watcher had cancelled Hypercorn's close: the socket stayed open)."""
+    async with registry() as (reg, _):
+        parts = urlsplit(reg.url)
+        stream = await trio.open_tcp_stream(parts.hostname, parts.port)
+        async with stream:
+            await stream.send_all(b"GET /list_encoder_urls HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            answer = b""
+            with trio.fail_after(10):
+                while chunk := await stream.receive_some(65536):
+                    answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"encoder_urls": []}')
+
+
 async def test_malformed_urls_and_bodies_are_400() -> None:
     async with registry() as (reg, http):
         for body, message in MALFORMED:

@@ -166,3 +166,29 @@ async def test_sglang_face_serves_its_data_routes_bare_in_its_error_shape(encode
             bad = await http.post(path, content=b"{bad", headers={"content-type": "application/json"})
             assert bad.status_code == 400 and bad.json()["status"] == "error", (path, bad.text)
         assert (await http.get("/health_generate")).status_code == 200  # still Quart's
+
+
+async def read_to_close(url: str, request: bytes) -> bytes:
+    """Send ``request`` and read until the server closes (bounded: a server that keeps the
+    socket open fails the test instead of hanging it)."""
+    parts = urlsplit(url)
+    stream = await trio.open_tcp_stream(parts.hostname, parts.port)
+    async with stream:
+        await stream.send_all(request)
+        answer = b""
+        with trio.fail_after(10):
+            while chunk := await stream.receive_some(65536):
+                answer += chunk
+        return answer
+
+
+async def test_connection_close_is_honoured_on_bare_and_quart_routes(encoder: Any) -> None:
+    """Hypercorn closes such a connection inside the last send; a cancelled send (a disconnect
+    watcher's) had left the socket open, and this client waiting for the close hung."""
+    raw = json.dumps(ENCODE).encode()
+    async with encoder() as (server, _):
+        for request in (b"GET /model_info HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                        b"POST /encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(raw), raw)):
+            answer = await read_to_close(server.url, request)
+            assert answer.startswith(b"HTTP/1.1 200") and _complete(answer), answer[:200]
