@@ -35,7 +35,7 @@ from werkzeug.exceptions import MethodNotAllowed
 from epd_trio._http import BearerAuth, Reply, face_error_reply, shielded_send
 from epd_trio.errors import BodyTimeoutError, EPDError, HeadersTooLargeError, PayloadTooLargeError
 
-__all__ = ["ASGIApp", "BareRoutes", "Handler", "RouteLimits"]
+__all__ = ["ASGIApp", "BareRoutes", "ErrorReply", "Handler", "RouteLimits"]
 
 log = logging.getLogger(__name__)
 
