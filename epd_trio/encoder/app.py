@@ -34,7 +34,7 @@ from epd_trio.encoder.asgi_route import BareRoutes, ErrorReply, Handler, RouteLi
 from epd_trio.encoder.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from epd_trio.encoder.profiling import parse_profile_request
 from epd_trio.encoder.service import EncoderService
-from epd_trio.errors import EPDError, HeadersTooLargeError
+from epd_trio.errors import EPDError
 from epd_trio.protocol.requests import (
     parse_abort_request,
     parse_encode_request,
@@ -107,25 +107,20 @@ def encode_handler(service: EncoderService) -> Handler:
     return encode
 
 
-# Admin endpoints need the auth token whenever one is configured; the data
-# path (/encode, /send) only with --require-auth-for-encode.
+# Admin endpoints need the auth token whenever one is configured. The data path's routes
+# (bare_routes) need it only with --require-auth-for-encode, and never reach Quart.
 ADMIN_PATHS = frozenset({"/abort", "/start_profile", "/stop_profile"})
-DATA_PATHS = frozenset({"/encode", "/send"})
 
 
-def access_control(app: QuartTrio, config: Any, data_paths: frozenset[str] = DATA_PATHS) -> None:
-    """The head-size limit and the bearer token, checked before any body is read (both faces)."""
+def access_control(app: QuartTrio, config: Any) -> None:
+    """The admin token, checked before any body is read (both faces). The head-size limit is
+    checked for every route in front of Quart (``BareRoutes``)."""
     auth = BearerAuth(config.auth_token)
-    guarded = ADMIN_PATHS | (data_paths if config.require_auth_for_encode else frozenset())
 
     @app.before_request
-    async def check_head_and_token() -> None:
-        # Before the handler, so an oversized or unauthenticated request's body
-        # is never read or parsed.
-        head = sum(len(k) + len(v) + 4 for k, v in request.headers.items()) + len(request.full_path)
-        if head > config.max_header_bytes:
-            raise HeadersTooLargeError(f"request head is over {config.max_header_bytes} bytes")
-        if request.path in guarded:
+    async def check_token() -> None:
+        # Before the handler, so an unauthenticated request's body is never read or parsed.
+        if request.path in ADMIN_PATHS:
             auth.check(request.headers.get("Authorization"), request.path)
 
 

@@ -8,8 +8,8 @@ The routes every request passes through (``/encode``, ``/send``, SGLang's
 rendezvous) are served here, each by a handler that takes the raw body and
 gives a ``Reply``; every other path, and lifespan, goes to the Quart app.
 
-The routes keep the face's rules: the head-size limit and the bearer token are
-checked before the body is read; the body is bounded by ``max_body_bytes``
+The routes keep the face's rules: the head-size limit (checked here for every
+route, Quart's too) and the bearer token are checked before the body is read; the body is bounded by ``max_body_bytes``
 (413) and by ``body_timeout`` (408). A reply given before the whole body was
 read closes the connection, whose unread bytes could be taken for another
 request. A client that disconnects cancels the handler (the service then
@@ -67,7 +67,15 @@ class BareRoutes:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         send = shielded_send(send)  # the Quart app's too (``shielded_send`` says why)
-        handler = self._routes.get(scope["path"]) if scope["type"] == "http" else None
+        if scope["type"] != "http":
+            await self.fallback(scope, receive, send)  # lifespan
+            return
+        try:
+            self._check_head_size(scope)  # every route's, Quart's too: one place for the rule
+        except HeadersTooLargeError as exc:
+            await _send(send, self._error_reply(exc).closing())
+            return
+        handler = self._routes.get(scope["path"])
         if handler is None:
             await self.fallback(scope, receive, send)
             return
@@ -86,7 +94,7 @@ class BareRoutes:
             return Reply(reply.status, reply.body, reply.content_type, (("Allow", "POST"),)).closing()
         try:
             try:
-                self._check_head(scope)
+                self._check_token(scope)
                 body = await self._read_body(scope, receive)
             except EPDError as exc:
                 return self._error_reply(exc).closing()
@@ -100,15 +108,16 @@ class BareRoutes:
             log.exception("unhandled error in %s", scope["path"])
             return self._error_reply(exc)
 
-    def _check_head(self, scope: dict[str, Any]) -> None:
-        """The face's rules before any body is read: the head's size, then the token."""
-        headers = scope["headers"]
-        head = sum(len(k) + len(v) + 4 for k, v in headers)
+    def _check_head_size(self, scope: dict[str, Any]) -> None:
+        """h11 bounds a head that arrives in pieces; one that arrives whole is bounded here."""
+        head = sum(len(k) + len(v) + 4 for k, v in scope["headers"])
         head += len(scope.get("raw_path") or scope["path"]) + 1 + len(scope["query_string"])
         if head > self._limits.max_header_bytes:
             raise HeadersTooLargeError(f"request head is over {self._limits.max_header_bytes} bytes")
+
+    def _check_token(self, scope: dict[str, Any]) -> None:
         if self._auth is not None:
-            given = next((v for k, v in headers if k == b"authorization"), None)
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
             self._auth.check(None if given is None else given.decode("latin-1"), scope["path"])
 
     async def _read_body(self, scope: dict[str, Any], receive: Any) -> bytes | None:

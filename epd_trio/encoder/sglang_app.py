@@ -33,7 +33,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from epd_trio._http import JoinedBodyRequest, Reply, as_response, json_reply, json_response, parse_json_off_loop
-from epd_trio.encoder.app import DATA_PATHS, access_control, add_shared_routes, bare_routes
+from epd_trio.encoder.app import access_control, add_shared_routes, bare_routes
 from epd_trio.encoder.asgi_route import BareRoutes, Handler
 from epd_trio.encoder.profiling import parse_profile_request
 from epd_trio.encoder.service import EncoderService
@@ -50,7 +50,6 @@ __all__ = ["create_sglang_app", "sglang_error"]
 
 log = logging.getLogger(__name__)
 
-SGLANG_DATA_PATHS = DATA_PATHS | {"/scheduler_receive_url", "/scheduler_receive_meta_data"}
 # SGLang's ProfileReq fields this encoder reads; the others (activities, ...) are ignored.
 _PROFILE_FIELDS = ("output_dir", "num_steps")
 
@@ -88,7 +87,7 @@ def create_sglang_app(service: EncoderService) -> BareRoutes:
     app.request_class = JoinedBodyRequest  # large bodies copied once, not per chunk
     app.config["MAX_CONTENT_LENGTH"] = service.config.max_body_bytes
     app.config["BODY_TIMEOUT"] = service.config.request_timeout
-    access_control(app, service.config, SGLANG_DATA_PATHS)
+    access_control(app, service.config)
     _operation_routes(app, service)
     add_shared_routes(app, service)
     _error_handlers(app)

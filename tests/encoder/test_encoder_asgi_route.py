@@ -192,3 +192,18 @@ async def test_connection_close_is_honoured_on_bare_and_quart_routes(encoder: An
                         b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(raw), raw)):
             answer = await read_to_close(server.url, request)
             assert answer.startswith(b"HTTP/1.1 200") and _complete(answer), answer[:200]
+
+
+@pytest.mark.parametrize("api", ["native", "sglang"])
+async def test_a_head_over_the_limit_is_431_on_every_route(encoder: Any, api: str) -> None:
+    """One check in front of Quart: the data path's routes and Quart's alike, in the face's shape."""
+    big = b"X-Big: " + b"x" * 3000 + b"\r\n"  # one send: h11 sees the whole head at once
+    async with encoder(api=api, max_header_bytes=2048) as (server, http):
+        for line in (b"GET /model_info HTTP/1.1", b"POST /encode HTTP/1.1"):
+            answer = await raw_exchange(server.url, line + b"\r\nHost: x\r\n" + big +
+                                        b"Content-Length: 2\r\n\r\n{}", [])
+            status, headers, body = status_and_json(answer)
+            assert status == 431 and headers["connection"] == "close", (api, line)
+            assert ("HeadersTooLargeError" in json.dumps(body)) == (api == "native"), body
+            assert "2048" in json.dumps(body), body
+        assert (await http.get("/model_info")).status_code == 200
