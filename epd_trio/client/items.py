@@ -9,11 +9,11 @@ validate. PNG encoding and base64 of big inputs is CPU work, so a caller runs
 
 from __future__ import annotations
 
-import base64
 import io
 from collections.abc import Mapping, Sequence
 from typing import Final, TypeAlias
 
+import pybase64
 from PIL import Image
 
 from epd_trio.errors import RequestError
@@ -80,4 +80,4 @@ def is_heavy(items: Mapping[str, Sequence[object]]) -> bool:
 
 
 def _data_uri(data: bytes, mime: str) -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
+    return f"data:{mime};base64,{pybase64.b64encode_as_string(data)}"

@@ -6,6 +6,8 @@ import base64
 import binascii
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from epd_trio.errors import RequestError
 from epd_trio.model.media import decode_data_uri
@@ -29,3 +31,11 @@ def test_same_bytes_or_same_error_as_validating_b64decode(payload: str) -> None:
     except RequestError as exc:
         got = exc.message.removeprefix("item 3: ")
     assert got == reference(payload)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.one_of(st.text(alphabet="QUJDRAgw+/=-_ \né", max_size=24),
+                 st.binary(max_size=64).map(lambda b: base64.b64encode(b).decode())))
+def test_fuzzed_payloads_decode_as_validating_b64decode(payload: str) -> None:
+    """pybase64's fast path accepts nothing the standard decoder refuses, and agrees on the bytes."""
+    test_same_bytes_or_same_error_as_validating_b64decode(payload)

@@ -70,6 +70,19 @@ def test_json_body_limits() -> None:
         parse_json_body(b"null")
 
 
+@pytest.mark.parametrize("raw", [b'{"a": NaN}', b'{"a": Infinity}', b'{"a": 1e400}',
+                                 b'{"a": "\\ud800"}', b"\xef\xbb\xbf{}", b"", b"  "])
+def test_json_body_is_strict_json(raw: bytes) -> None:
+    """What the standard library would take but JSON is not (or what no field could hold)."""
+    with pytest.raises(RequestError, match="not valid JSON"):
+        parse_json_body(raw)
+
+
+def test_json_body_keeps_big_ints_and_the_last_duplicate() -> None:
+    assert parse_json_body(b'{"a": 123456789012345678901234567890, "b": 1, "b": 2}') == \
+        {"a": 123456789012345678901234567890, "b": 2}
+
+
 def test_abort_bodies() -> None:
     assert parse_abort_request({"req_id": "r"}).part_idx is None
     assert parse_abort_request({"req_id": "r", "part_idx": 3}).part_idx == 3

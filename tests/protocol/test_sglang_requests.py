@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import base64
+import binascii
+import re
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from epd_trio.errors import RequestError
 from epd_trio.protocol.sglang_requests import (
@@ -50,6 +54,32 @@ def test_items_become_what_the_engine_reads() -> None:
         f"data:application/octet-stream;base64,{PNG64}", "relative/a.png",
         {"url": f"data:application/octet-stream;base64,{PNG64}", "content_hash": "sha256:" + "ab" * 32}]
     assert req.deliver.backend == "sglang_zmq" and req.deliver.endpoints == ()  # registered later
+
+
+def _rule_before_pybase64(item: str) -> str:
+    """The item rule as it was written with the standard library (regex, then decode)."""
+    compact = "".join(item.split())
+    if len(compact) >= 32 and len(compact) % 4 == 0 and re.fullmatch(r"[A-Za-z0-9+/]+={0,2}", compact):
+        try:
+            base64.b64decode(compact, validate=True)
+        except (binascii.Error, ValueError):
+            return item
+        return f"data:application/octet-stream;base64,{compact}"
+    return item
+
+
+_TEXT = st.text(alphabet="QUJDRAgw+/=-_. \n\té", max_size=48)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(_TEXT, st.binary(min_size=20, max_size=40).map(lambda b: base64.b64encode(b).decode()),
+                 st.binary(min_size=24, max_size=40).map(
+                     lambda b: base64.encodebytes(b).decode().replace("\n", " \n", 1))))
+def test_bare_strings_are_told_apart_as_before(item: str) -> None:
+    """Base64 (whitespace dropped) becomes a data: URI, anything else stays a path."""
+    req = parse_sglang_encode(body(mm_items=[item or "x"], modality="image"),
+                              backend="zmq_to_scheduler", max_items=1)
+    assert req.mm_items == [_rule_before_pybase64(item or "x")]
 
 
 def test_a_single_item_and_a_bad_hash() -> None:
