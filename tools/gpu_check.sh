@@ -30,7 +30,8 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 
 # ---- environment: the system's torch, plus our other packages from wheels ----------
-NEEDED="import trio, hypercorn, quart_trio, zmq, trio_util, msgpack, httpx, safetensors, PIL, prometheus_client, pytest, pytest_trio, hypothesis"
+# Every module epd_trio imports when it loads (tools/gpu_wheels.py lists what the image lacks).
+NEEDED="import epd_trio, pytest, pytest_trio, hypothesis, msgpack"
 if ! "$PY" -c "$NEEDED" >/dev/null 2>&1; then
     if [ ! -x "$VENV/bin/python" ]; then
         "$PY" -m venv --system-site-packages "$VENV" || { echo "gpu_check: cannot create $VENV"; exit 1; }
