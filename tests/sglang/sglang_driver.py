@@ -12,6 +12,10 @@ nothing from epd_trio. Lines meant for the test start with ``EPD-DRIVER``
     and write what SGLang saw to ``DIR/result.json`` and the tensors to
     ``DIR/result.safetensors``. A frame-0-only message that is no error (a
     Mooncake completion notice) is read, not merged: its bytes came by RDMA.
+``decode-serve``
+    The same for each directory read from stdin, one per line, in one process
+    (SGLang's receiver is imported once): print ``READY``, then ``DONE <n>`` or
+    ``FAILED <why>`` per directory (the traceback goes to stderr).
 ``bootstrap``
     Run SGLang's ``EncoderBootstrapServer`` on 127.0.0.1, port 0; print its
     port; at stdin EOF print the URLs it holds and stop.
@@ -113,6 +117,20 @@ def decode(directory: Path) -> None:
     say("DONE", len(results))
 
 
+def decode_serve(lines: Any) -> None:
+    import traceback
+
+    from sglang.srt.disaggregation.encoder import receiver  # noqa: F401 (the slow import, once)
+
+    say("READY")
+    for line in lines:
+        try:
+            decode(Path(line.strip()))
+        except Exception as exc:  # this directory failed; the next one is served
+            traceback.print_exc()
+            say("FAILED", f"{type(exc).__name__}: {exc}".replace("\n", " "))
+
+
 def bootstrap() -> None:
     from sglang.srt.disaggregation.encoder.receiver import EncoderBootstrapServer
 
@@ -167,6 +185,8 @@ def main(argv: list[str]) -> None:
     mode, rest = argv[0], argv[1:]
     if mode == "decode":
         decode(Path(rest[0]))
+    elif mode == "decode-serve":
+        decode_serve(sys.stdin)
     elif mode == "bootstrap":
         bootstrap()
     elif mode == "register":

@@ -19,7 +19,7 @@ import zmq
 from safetensors.torch import load_file
 
 from epd_trio.transport._zmq_socket import TrioSocket
-from sglang_harness import SGLangEnv
+from sglang_harness import Decoder
 
 Message = list[bytes]
 
@@ -62,7 +62,7 @@ def encode_body(rid: str, part_idx: int, num_parts: int, items: list[Any], modal
             "time_stats_json": None, **extra}
 
 
-def decode_with_sglang(env: SGLangEnv, root: Path, cases: dict[str, dict[str, Any]]
+def decode_with_sglang(decoder: Decoder, root: Path, cases: dict[str, dict[str, Any]]
                        ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """``cases``: name → ``{"rid", "model_type", "messages": [Message, ...]}``; what SGLang saw."""
     manifest: dict[str, Any] = {}
@@ -77,8 +77,7 @@ def decode_with_sglang(env: SGLangEnv, root: Path, cases: dict[str, dict[str, An
             messages.append(files)
         manifest[name] = {"rid": case["rid"], "model_type": case.get("model_type"), "messages": messages}
     (root / "manifest.json").write_text(json.dumps(manifest))
-    done = env.run("decode", str(root))
-    assert done.returncode == 0, done.stderr[-4000:]
+    decoder.decode(root)
     return json.loads((root / "result.json").read_text()), load_file(root / "result.safetensors")
 
 

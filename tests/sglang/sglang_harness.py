@@ -56,10 +56,6 @@ class SGLangEnv:
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         return {**env, "PYTHONPATH": str(self.path), "PYTHONWARNINGS": "ignore"}
 
-    def run(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(self.command(*args), env=self.environ(), capture_output=True,
-                              text=True, timeout=DRIVER_TIMEOUT, check=False)
-
 
 class DriverLines:
     """Reads the driver's ``EPD-DRIVER`` lines from its stdout, skipping SGLang's own prints."""
@@ -98,23 +94,20 @@ def sglang_env() -> SGLangEnv:
     pytest.skip(problem)
 
 
-class LanguageServer:
-    """``sglang_driver.py serve``: SGLang's language-server receiver code, one request at a time.
+class DriverProcess:
+    """One long-lived ``sglang_driver.py MODE``: a command line in, an ``EPD-DRIVER`` line back.
 
-    Synchronous, so one process serves a whole test module; its stderr (SGLang's
-    logs) goes to a file the failure message quotes.
+    Synchronous, so one process serves a whole test module (or the session) and
+    SGLang is imported once; its stderr (SGLang's logs) goes to a file the
+    failure message quotes.
     """
 
-    def __init__(self, env: SGLangEnv, workdir: Path, extra_env: dict[str, str] | None = None) -> None:
-        self._workdir = workdir
-        self._log = workdir / "sglang-language-side.log"
-        self._count = 0
-        # Loopback only; Mooncake over TCP; no GPU embedding pool (SGLang's default would be one).
-        environ = {**env.environ(), "SGLANG_HOST_IP": "127.0.0.1", "MOONCAKE_PROTOCOL": "tcp",
-                   "MC_FORCE_TCP": "1", "SGLANG_EMBEDDING_POOL_SIZE_MB": "0", **(extra_env or {})}
-        with self._log.open("wb") as log:
-            self._process = subprocess.Popen(env.command("serve"), env=environ, stdin=subprocess.PIPE,
-                                             stdout=subprocess.PIPE, stderr=log, text=True)
+    def __init__(self, env: SGLangEnv, mode: str, log: Path, extra_env: dict[str, str] | None = None) -> None:
+        self._log = log
+        with self._log.open("wb") as out:
+            self._process = subprocess.Popen(env.command(mode), env={**env.environ(), **(extra_env or {})},
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=out,
+                                             text=True)
         self._lines: queue.Queue[list[str] | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         assert self._next(DRIVER_TIMEOUT) == ["READY"], self.log_tail()
@@ -134,23 +127,15 @@ class LanguageServer:
         assert words is not None, f"the SGLang driver exited\n{self.log_tail()}"
         return words
 
+    def command(self, line: str, timeout: float) -> list[str]:
+        """Send one command line; the driver's answer as its words (the first, then the rest)."""
+        assert self._process.stdin is not None
+        self._process.stdin.write(line + "\n")
+        self._process.stdin.flush()
+        return self._next(timeout)
+
     def log_tail(self, chars: int = 6000) -> str:
         return self._log.read_text(errors="replace")[-chars:]
-
-    def request(self, timeout: float = 300.0, **command: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        """One request through SGLang's code; its JSON answer and the tensors SGLang assembled."""
-        from safetensors.torch import load_file
-
-        self._count += 1
-        out = self._workdir / f"result{self._count}.safetensors"
-        assert self._process.stdin is not None
-        self._process.stdin.write(json.dumps({**command, "out": str(out)}) + "\n")
-        self._process.stdin.flush()
-        word, payload = self._next(timeout)
-        assert word == "RESULT", (word, payload)
-        answer = json.loads(payload)
-        assert "crash" not in answer, f"{answer['crash']}\n{self.log_tail()}"
-        return answer, load_file(out)
 
     def close(self) -> None:
         if self._process.stdin is not None:
@@ -164,6 +149,46 @@ class LanguageServer:
             self._process.stdout.close()
 
 
+class LanguageServer(DriverProcess):
+    """``sglang_driver.py serve``: SGLang's language-server receiver code, one request at a time."""
+
+    def __init__(self, env: SGLangEnv, workdir: Path, extra_env: dict[str, str] | None = None) -> None:
+        self._workdir = workdir
+        self._count = 0
+        # Loopback only; Mooncake over TCP; no GPU embedding pool (SGLang's default would be one).
+        super().__init__(env, "serve", workdir / "sglang-language-side.log",
+                         {"SGLANG_HOST_IP": "127.0.0.1", "MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1",
+                          "SGLANG_EMBEDDING_POOL_SIZE_MB": "0", **(extra_env or {})})
+
+    def request(self, timeout: float = 300.0, **command: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """One request through SGLang's code; its JSON answer and the tensors SGLang assembled."""
+        from safetensors.torch import load_file
+
+        self._count += 1
+        out = self._workdir / f"result{self._count}.safetensors"
+        word, payload = self.command(json.dumps({**command, "out": str(out)}), timeout)
+        assert word == "RESULT", (word, payload)
+        answer = json.loads(payload)
+        assert "crash" not in answer, f"{answer['crash']}\n{self.log_tail()}"
+        return answer, load_file(out)
+
+
+class Decoder(DriverProcess):
+    """``sglang_driver.py decode-serve``: SGLang's receiver reads the messages in a directory.
+
+    One process for the whole session: importing SGLang's receiver takes ~15 s here,
+    and each test that decodes used to pay it in a fresh ``decode`` process.
+    """
+
+    def __init__(self, env: SGLangEnv, workdir: Path) -> None:
+        super().__init__(env, "decode-serve", workdir / "sglang-decoder.log")
+
+    def decode(self, directory: Path) -> None:
+        """What ``decode DIR`` does (see ``sglang_driver``), in this process."""
+        words = self.command(str(directory), DRIVER_TIMEOUT)
+        assert words[0] == "DONE", f"{words}\n{self.log_tail()}"
+
+
 @pytest.fixture(scope="module")
 def language_server(sglang_env: SGLangEnv, tmp_path_factory: pytest.TempPathFactory
                     ) -> Iterator[LanguageServer]:
@@ -172,3 +197,19 @@ def language_server(sglang_env: SGLangEnv, tmp_path_factory: pytest.TempPathFact
         yield server
     finally:
         server.close()
+
+
+# Each test module imports the fixture, and so gets its own instance of it: the one process
+# lives in the pytest session's stash instead, and the session closes it at its end.
+_DECODER = pytest.StashKey[Decoder]()
+
+
+@pytest.fixture(scope="session")
+def sglang_decoder(sglang_env: SGLangEnv, tmp_path_factory: pytest.TempPathFactory,
+                   request: pytest.FixtureRequest) -> Decoder:
+    decoder = request.config.stash.get(_DECODER, None)
+    if decoder is None:
+        decoder = Decoder(sglang_env, tmp_path_factory.mktemp("sglang_decoder"))
+        request.config.stash[_DECODER] = decoder
+        request.config.add_cleanup(decoder.close)
+    return decoder

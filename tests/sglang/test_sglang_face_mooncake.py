@@ -19,7 +19,7 @@ import trio
 
 from conftest import data_uri, png_bytes
 from sglang_face_kit import decode_with_sglang, encode_body, rank, stats, until
-from sglang_harness import SGLangEnv, sglang_env  # noqa: F401 (a fixture)
+from sglang_harness import Decoder, sglang_decoder, sglang_env  # noqa: F401 (fixtures)
 
 if os.environ.get("EPD_REQUIRE_MOONCAKE") != "1":
     pytest.importorskip("mooncake.engine", reason="Mooncake is an optional extra (epd-trio[mooncake-cpu])")
@@ -28,7 +28,7 @@ from epd_trio.transport.mooncake import open_mooncake  # noqa: E402
 
 
 async def test_meta_then_send_per_rank_then_completion(
-        encoder: Any, sglang_env: SGLangEnv, tmp_path: Path) -> None:
+        encoder: Any, sglang_decoder: Decoder, tmp_path: Path) -> None:
     image = png_bytes(84, 56, seed=9)
     rid, part = "mc", "mc_local_part_0"
     async with encoder(api="sglang", encoder_transfer_backend="mooncake") as (server, http), \
@@ -72,7 +72,7 @@ async def test_meta_then_send_per_rank_then_completion(
         assert torch.equal(landed.view(local.embedding.shape), local.embedding)
     assert after["sglang_rendezvous"]["entries"] == 0 and after["mooncake"]["registered_regions"] == 0
     assert all(len(n) == 1 for n in notices)
-    results, _ = decode_with_sglang(sglang_env, tmp_path, {
+    results, _ = decode_with_sglang(sglang_decoder, tmp_path, {
         f"rank{i}": {"rid": rid, "messages": [n]} for i, n in enumerate(notices)})
     for i in range(2):
         seen = results[f"rank{i}"]["parts"][0]

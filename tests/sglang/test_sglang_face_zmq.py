@@ -21,7 +21,7 @@ import trio
 from conftest import data_uri, png_bytes
 from epd_trio.model.samples import sample_tone
 from sglang_face_kit import decode_with_sglang, encode_body, rank, stats, until
-from sglang_harness import SGLangEnv, sglang_env  # noqa: F401 (a fixture)
+from sglang_harness import Decoder, sglang_decoder, sglang_env  # noqa: F401 (fixtures)
 
 
 def tensor_of(seen: dict[str, Any]) -> torch.Tensor:
@@ -30,7 +30,7 @@ def tensor_of(seen: dict[str, Any]) -> torch.Tensor:
 
 
 async def test_two_ranks_registering_before_and_after_encode(
-        encoder: Any, sglang_env: SGLangEnv, tmp_path: Path) -> None:
+        encoder: Any, sglang_decoder: Decoder, tmp_path: Path) -> None:
     image = png_bytes(56, 84, seed=3)
     rid = "two"
     async with encoder(api="sglang") as (server, http), rank() as a, rank() as b:
@@ -54,7 +54,7 @@ async def test_two_ranks_registering_before_and_after_encode(
     assert after["live_requests"] == 0 and after["sglang_rendezvous"] == {
         "entries": 0, "claimed": 0, "waiters": 0, "destinations": 0, "ended": 1}
     assert got_a == got_b and len(got_a) == 2
-    results, tensors = decode_with_sglang(sglang_env, tmp_path, {
+    results, tensors = decode_with_sglang(sglang_decoder, tmp_path, {
         "a": {"rid": rid, "messages": [got_a]}})
     seen = results["a"]["parts"][0]
     assert seen["matches"] is True and results["a"]["ready"] is True
@@ -64,7 +64,7 @@ async def test_two_ranks_registering_before_and_after_encode(
 
 
 async def test_errors_are_answered_and_pushed_to_every_rank(
-        encoder: Any, sglang_env: SGLangEnv, tmp_path: Path) -> None:
+        encoder: Any, sglang_decoder: Decoder, tmp_path: Path) -> None:
     async with encoder(api="sglang") as (_, http), rank() as a:
         bad_body = await http.post("/encode", json={"modality": "IMAGE", "mm_items": ["x"]})
         bad_modality = await http.post("/encode", json=encode_body("m", 0, 1, ["x"], modality="TEXT"))
@@ -99,7 +99,7 @@ async def test_errors_are_answered_and_pushed_to_every_rank(
     assert late.status_code == 400 and late.json()["message"] == failed.json()["message"]
     assert len(notice) == 1
     assert after["live_requests"] == 0 and after["sglang_rendezvous"]["entries"] == 0
-    results, _ = decode_with_sglang(sglang_env, tmp_path, {"bad": {"rid": "bad", "messages": [notice]}})
+    results, _ = decode_with_sglang(sglang_decoder, tmp_path, {"bad": {"rid": "bad", "messages": [notice]}})
     state = results["bad"]["parts"][0]["state"]
     assert state["error_code"] == 400 and state["error_msg"] == failed.json()["message"]
     assert results["bad"]["ready"] is False
@@ -121,7 +121,7 @@ async def test_waits_are_bounded_and_leave_nothing(encoder: Any) -> None:
 
 
 async def test_zmq_to_tokenizer_audio_grid_is_mel_frames_and_content_hash_is_checked(
-        encoder_for: Any, sglang_env: SGLangEnv, tmp_path: Path) -> None:
+        encoder_for: Any, sglang_decoder: Decoder, tmp_path: Path) -> None:
     tones = [sample_tone(0.8, hz=300.0), sample_tone(1.5, hz=220.0)]
     uris = [data_uri(t).replace("image/png", "audio/wav") for t in tones]
     right = {"url": uris[1], "content_hash": "sha256:" + hashlib.sha256(tones[1]).hexdigest(),
@@ -140,7 +140,7 @@ async def test_zmq_to_tokenizer_audio_grid_is_mel_frames_and_content_hash_is_che
     assert mismatch.status_code == 400 and "content_hash" in mismatch.json()["message"]
     assert len(mismatch_notice) == 1
     assert no_port.status_code == 400 and "embedding_port" in no_port.json()["message"]
-    results, tensors = decode_with_sglang(sglang_env, tmp_path, {
+    results, tensors = decode_with_sglang(sglang_decoder, tmp_path, {
         "aud": {"rid": "aud", "model_type": "qwen2_audio", "messages": [message]}})
     assert results["aud"]["ready"] is True
     assert results["aud"]["extra_meta"]["audio_feature_lens"]["tensor"]["values"] == \

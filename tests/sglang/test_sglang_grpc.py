@@ -47,7 +47,7 @@ from epd_trio.errors import RequestError
 from epd_trio.model.samples import sample_video
 from epd_trio.protocol.grpc_messages import infer_modality
 from sglang_face_kit import decode_with_sglang, rank, stats, until
-from sglang_harness import LanguageServer, SGLangEnv, sglang_env  # noqa: F401 (a fixture)
+from sglang_harness import Decoder, LanguageServer, SGLangEnv, sglang_decoder, sglang_env  # noqa: F401 (fixtures)
 from test_sglang_end_to_end import BAD_IMAGE, assert_close, encoder_process, ok_ranks, url_of
 
 IMAGE_SIZES = [(56, 56), (84, 56), (28, 112)]
@@ -259,7 +259,7 @@ async def test_invalid_requests_get_sglangs_messages(encoder: Any) -> None:
 
 
 async def test_an_encoder_failure_is_a_status_and_an_error_frame(
-        encoder: Any, sglang_env: SGLangEnv, tmp_path: Path) -> None:
+        encoder: Any, sglang_decoder: Decoder, tmp_path: Path) -> None:
     broken = "data:image/png;base64," + base64.b64encode(b"not a png").decode()
     async with encoder(api="sglang", grpc_port=0, encoder_transfer_backend="zmq_to_tokenizer") \
             as (server, http), rank() as r:
@@ -268,7 +268,7 @@ async def test_an_encoder_failure_is_a_status_and_an_error_frame(
         notice = await r.receive()
         after = await stats(http)
     details = failed(got, grpc.StatusCode.INVALID_ARGUMENT)
-    results, _ = decode_with_sglang(sglang_env, tmp_path, {"bad": {"rid": "bad", "messages": [notice]}})
+    results, _ = decode_with_sglang(sglang_decoder, tmp_path, {"bad": {"rid": "bad", "messages": [notice]}})
     state = results["bad"]["parts"][0]["state"]
     assert len(notice) == 1 and state["error_code"] == 400 and state["error_msg"] == details
     assert after["live_requests"] == 0
@@ -319,15 +319,15 @@ async def pushed(server: Any, r: Any, req_id: str, items: list[str]) -> tuple[An
     return answer, await r.receive()
 
 
-def seen_by_sglang(env: SGLangEnv, root: Path, rid_: str, message: list[bytes]
+def seen_by_sglang(decoder: Decoder, root: Path, rid_: str, message: list[bytes]
                    ) -> tuple[dict[str, Any], torch.Tensor]:
-    results, tensors = decode_with_sglang(env, root, {"c": {"rid": rid_, "messages": [message]}})
+    results, tensors = decode_with_sglang(decoder, root, {"c": {"rid": rid_, "messages": [message]}})
     (part,) = results["c"]["parts"]
     assert part["matches"] is True and results["c"]["ready"] is True
     return part["state"], tensors["c/part0"]
 
 
-async def test_video_items_encode_as_video(encoder: Any, sglang_env: SGLangEnv, tmp_path: Path) -> None:
+async def test_video_items_encode_as_video(encoder: Any, sglang_decoder: Decoder, tmp_path: Path) -> None:
     clip = tmp_path / "media" / "clip.mp4"
     clip.parent.mkdir()
     clip.write_bytes(sample_video(10, 4.0, 56, 42, seed=5))
@@ -340,14 +340,14 @@ async def test_video_items_encode_as_video(encoder: Any, sglang_env: SGLangEnv, 
     assert answer == pb.EncodeResponse()  # zmq: every destination has the part
     for name, message in (("uri", by_uri), ("url", by_url)):
         (tmp_path / name).mkdir()
-        state, tensor = seen_by_sglang(sglang_env, tmp_path / name, f"v{1 if name == 'uri' else 2}",
+        state, tensor = seen_by_sglang(sglang_decoder, tmp_path / name, f"v{1 if name == 'uri' else 2}",
                                        message)
         assert state["modality"]["name"] == "VIDEO"
         assert state["grid_dim"]["tensor"]["values"] == [list(g) for g in local.grid_thw]
         assert torch.equal(tensor, local.embedding)
 
 
-async def test_audio_items_encode_as_audio(encoder_for: Any, sglang_env: SGLangEnv,
+async def test_audio_items_encode_as_audio(encoder_for: Any, sglang_decoder: Decoder,
                                            tmp_path: Path) -> None:
     import numpy as np
 
@@ -356,13 +356,13 @@ async def test_audio_items_encode_as_audio(encoder_for: Any, sglang_env: SGLangE
     async with encoder_for("qwen2_audio", api="sglang", grpc_port=0) as (server, _), rank() as r:
         _, message = await pushed(server, r, "a1", [uri])
         local = await server.service.engine.encode([uri], "audio")
-    state, tensor = seen_by_sglang(sglang_env, tmp_path, "a1", message)
+    state, tensor = seen_by_sglang(sglang_decoder, tmp_path, "a1", message)
     assert state["modality"]["name"] == "AUDIO"
     assert torch.equal(tensor, local.embedding)
 
 
 # ---- Mooncake: Encode answers the sizes, Send writes them -----------------------------------
-async def test_mooncake_encode_sizes_then_send(encoder: Any, sglang_env: SGLangEnv,
+async def test_mooncake_encode_sizes_then_send(encoder: Any, sglang_decoder: Decoder,
                                                tmp_path: Path) -> None:
     if os.environ.get("EPD_REQUIRE_MOONCAKE") != "1":
         pytest.importorskip("mooncake.engine", reason="Mooncake is an optional extra (epd-trio[mooncake-cpu])")
@@ -391,7 +391,7 @@ async def test_mooncake_encode_sizes_then_send(encoder: Any, sglang_env: SGLangE
     assert not buffer[4096 + nbytes:].any() and not buffer[:4096].any()  # exactly that many bytes
     failed(late, grpc.StatusCode.NOT_FOUND)  # released after its one Send, as SGLang's server
     assert after["sglang_rendezvous"]["entries"] == 0 and after["mooncake"]["registered_regions"] == 0
-    results, _ = decode_with_sglang(sglang_env, tmp_path, {"n": {"rid": "mc", "messages": [notice]}})
+    results, _ = decode_with_sglang(sglang_decoder, tmp_path, {"n": {"rid": "mc", "messages": [notice]}})
     seen = results["n"]["parts"][0]
     assert len(notice) == 1 and seen["matches"] is True and seen["state"]["error_msg"] is None
     assert seen["state"]["shape"] == list(local.embedding.shape)

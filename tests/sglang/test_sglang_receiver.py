@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from epd_trio.errors import RequestError, TransferTimeout
 from epd_trio.protocol import sglang
 
-from sglang_harness import SGLangEnv, sglang_env  # noqa: F401 (a fixture)
+from sglang_harness import Decoder, sglang_decoder, sglang_env  # noqa: F401 (fixtures)
 
 RECEIVER_CLASS = "sglang.srt.disaggregation.encoder.receiver.EmbeddingData"
 MODALITY_CLASS = "sglang.srt.multimodal.modality.Modality"
@@ -99,7 +99,7 @@ CASES = build_cases()
 
 
 @pytest.fixture(scope="module")
-def decoded(sglang_env: SGLangEnv, tmp_path_factory: pytest.TempPathFactory
+def decoded(sglang_decoder: Decoder, tmp_path_factory: pytest.TempPathFactory
             ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     root = tmp_path_factory.mktemp("sglang_frames")
     manifest: dict[str, Any] = {}
@@ -114,8 +114,7 @@ def decoded(sglang_env: SGLangEnv, tmp_path_factory: pytest.TempPathFactory
             messages.append(files)
         manifest[name] = {"rid": case.rid, "model_type": case.model_type, "messages": messages}
     (root / "manifest.json").write_text(json.dumps(manifest))
-    done = sglang_env.run("decode", str(root))
-    assert done.returncode == 0, done.stderr[-4000:]
+    sglang_decoder.decode(root)
     return json.loads((root / "result.json").read_text()), load_file(root / "result.safetensors")
 
 
