@@ -5,7 +5,7 @@
 # The video and audio decoders (av, soundfile) stay out: imported only for those media,
 # and av alone is 36 MB of the 64 MiB a device call carries.
 #
-#   bash tools/gpu_wheels.sh            # → .whl/ (ignored by git), ~20 MB
+#   bash tools/gpu_wheels.sh            # → .whl/ (ignored by git), ~13 MB
 #
 # Then carry `.whl` to the GPU machine with the checkout and run tools/gpu_check.sh there.
 set -euo pipefail

@@ -20,7 +20,7 @@ from epd_trio.client.grpc_channel import GRPC_SCHEME, GrpcChannels
 
 __all__ = ["EncoderCalls"]
 
-_JSON = {"content-type": "application/json"}
+_JSON = (("content-type", "application/json"),)
 
 
 class EncoderCalls:

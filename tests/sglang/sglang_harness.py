@@ -110,7 +110,11 @@ class DriverProcess:
                                              text=True)
         self._lines: queue.Queue[list[str] | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        assert self._next(DRIVER_TIMEOUT) == ["READY"], self.log_tail()
+        try:
+            assert self._next(DRIVER_TIMEOUT) == ["READY"], self.log_tail()
+        except BaseException:
+            self.close()  # a driver that never got ready is not left running
+            raise
 
     def _read(self) -> None:
         assert self._process.stdout is not None
