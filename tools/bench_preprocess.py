@@ -196,7 +196,7 @@ def report_cpu(cpu: dict, modes: list[str], workers: list[int], cases: list) -> 
         print(f"| {fmt} {size} | " + " | ".join(f"{cpu[(m, fmt, size, w)]:.2f}" for m in modes for w in workers) + " |")
 
 
-def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="~2 min on 2 cores: 24 images per point")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
@@ -212,4 +212,4 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    trio.run(main, parse())
+    trio.run(main, parse_args())

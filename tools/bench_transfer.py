@@ -485,7 +485,7 @@ async def run(args: argparse.Namespace) -> None:
         print(f"{name:<32}{rss / MiB:>14.2f} MiB{rss / (size * MiB):>11.3f}{py / 1024:>14.1f} KiB")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="sizes up to 64 MiB, 5 runs each")
     parser.add_argument("--sizes", help="comma-separated sizes in MiB (overrides --quick's)")
@@ -496,7 +496,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--copy-check-mib", type=int,
                         help="payload of the copy count (default 64, --quick 16)")
     parser.add_argument("--zmq-sink", type=int, help=argparse.SUPPRESS)  # the child process
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.zmq_sink:
         return _sink_main(args.zmq_sink)
     trio.run(run, args)
