@@ -172,6 +172,9 @@ class EncoderConfig:
     max_items: int = _opt(256, "most mm_items in one request (→ 400)")
     zmq_idle_close: float = _opt(60.0, "seconds an unused ZMQ PUSH socket stays open")
     zmq_max_sockets: int = _opt(256, "most cached ZMQ PUSH sockets (one per destination)")
+    zmq_sndhwm: int = _opt(64, "messages queued per ZMQ destination before a send waits (each "
+                           "holds its embedding's memory: this bounds what a receiver that stops "
+                           "reading pins, and its sends time out after --send-timeout)")
     transfer_backend: str = _opt("zmq", "zmq (inline and ZMQ delivery) or mooncake (also Mooncake "
                                  "transfer-engine writes; needs the mooncake extra)")
     mooncake_protocol: str = _opt("tcp", "Mooncake transport: tcp, or rdma where RDMA NICs exist")
@@ -214,8 +217,9 @@ class EncoderConfig:
         if self.encoder_transfer_backend not in SGLANG_BACKENDS:
             raise ValueError(f"encoder_transfer_backend must be one of {', '.join(SGLANG_BACKENDS)}, "
                              f"got {self.encoder_transfer_backend!r}")
-        if self.max_body_bytes < 1 or self.max_items < 1 or self.zmq_max_sockets < 1:
-            raise ValueError("max_body_bytes, max_items and zmq_max_sockets must be at least 1")
+        for name in ("max_body_bytes", "max_items", "zmq_max_sockets", "zmq_sndhwm"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.heartbeat_interval <= 0:
             raise ValueError(f"heartbeat_interval must be > 0, got {self.heartbeat_interval}")
         _check_token("registry_auth_token", self.registry_auth_token)

@@ -99,6 +99,7 @@ def test_sglang_face_flags_and_sglangs_own_timeout_variables() -> None:
 @pytest.mark.parametrize(("flags", "message"), [
     (["--api", "grpc"], "api must be one of native, sglang"),
     (["--encoder-transfer-backend", "nixl"], "encoder_transfer_backend must be one of"),
+    (["--zmq-sndhwm", "0"], "zmq_sndhwm must be at least 1"),
 ])
 def test_bad_sglang_settings_say_which(flags: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):

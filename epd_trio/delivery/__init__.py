@@ -77,8 +77,8 @@ def build_delivery(request: EncodeRequest, context: DeliveryContext) -> Delivery
 @asynccontextmanager
 async def open_deliveries(config: EncoderConfig) -> AsyncIterator[DeliveryContext]:
     """The transports this encoder's deliveries borrow, open for the block."""
-    async with PushSocketCache(max_sockets=config.zmq_max_sockets,
-                               idle_close=config.zmq_idle_close) as zmq, \
+    async with PushSocketCache(max_sockets=config.zmq_max_sockets, idle_close=config.zmq_idle_close,
+                               sndhwm=config.zmq_sndhwm) as zmq, \
             _maybe_mooncake(config) as mooncake:
         yield DeliveryContext(zmq, mooncake, config.send_timeout, trio.CapacityLimiter(DELIVERY_THREADS))
 

@@ -1,7 +1,8 @@
 """Seeded real-clock chaos over real Hypercorn + ZMQ (issue 4; kinds in ``real_scenarios``).
 
 One test runs every seed over shared servers, since starting them is most of
-the cost: two chaos encoders in process (``serve_encoder``, send timeout 1 s),
+the cost: two chaos encoders in process (``serve_encoder``, send timeout 1 s,
+``--zmq-sndhwm`` 4),
 an encoder subprocess that ``encoder_killed`` scenarios SIGKILL and restart on
 the same port, and a clean encoder whose own client sends requests beside
 every scenario. Each scenario must leave everything idle, which is checked
@@ -43,6 +44,10 @@ pytestmark = pytest.mark.filterwarnings(
 
 DEFAULT_SEEDS = range(1836, 1872)  # 36 seeds whose draws cover every kind (9 + 9 + 8 + 5 + 5)
 SEND_TIMEOUT = 1.0  # a receiver that stops reading costs a request 1 s, not the default 60
+# Messages queued per destination before a send waits: with the default 64, a fresh stuck
+# receiver took 65 posts of large images (~20 s) before its first send timed out; the same
+# path is reached after a handful.
+SNDHWM = 4
 
 
 def selected_seeds() -> list[int]:
@@ -66,7 +71,8 @@ async def test_real_clock_chaos(qwen25_path: str, tmp_path: Path) -> None:
             stack.push_async_callback(killable.stop)
 
         def config() -> EncoderConfig:
-            return EncoderConfig(port=0, send_timeout=SEND_TIMEOUT, engine=EngineConfig(model_path=qwen25_path))
+            return EncoderConfig(port=0, send_timeout=SEND_TIMEOUT, zmq_sndhwm=SNDHWM,
+                                 engine=EngineConfig(model_path=qwen25_path))
 
         chaos = [await stack.enter_async_context(serve_encoder(config())) for _ in range(2)]
         clean = await stack.enter_async_context(serve_encoder(config()))

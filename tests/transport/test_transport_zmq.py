@@ -313,3 +313,33 @@ async def test_send_outside_the_block_is_refused() -> None:
     with pytest.raises(RuntimeError, match="async with"):
         await cache.send("tcp://127.0.0.1:5555", [b"x"], 1.0)
 
+
+
+async def test_the_encoder_config_bounds_what_a_stuck_receiver_queues(ipc_endpoint: str) -> None:
+    """``--zmq-sndhwm``: how many messages to one receiver that stopped reading are queued
+    before a send waits (and times out). Over ipc at least that many are taken, and a few
+    more at most (kernel buffers: measured 2 → 7, 8 → 12, 16 → 16, 34 → 34, 64 → 64)."""
+    from epd_trio.config import EncoderConfig
+    from epd_trio.delivery import open_deliveries
+
+    async def sends_before_a_timeout(sndhwm: int, endpoint: str) -> int:
+        ctx = zmq.Context()
+        stuck = ctx.socket(zmq.PULL)  # bound, never read
+        for option, value in ((zmq.RCVHWM, 1), (zmq.RCVBUF, 4096), (zmq.LINGER, 0)):
+            stuck.setsockopt(option, value)
+        stuck.bind(endpoint)
+        try:
+            async with open_deliveries(EncoderConfig(zmq_sndhwm=sndhwm)) as deliveries:
+                for sent in range(1000):
+                    try:
+                        await deliveries.zmq.send(endpoint, [b"x" * 16384], timeout=0.3)
+                    except TransferTimeout:
+                        return sent
+        finally:
+            stuck.close()
+            ctx.term()
+        raise AssertionError(f"1000 sends with --zmq-sndhwm {sndhwm} and none waited")
+
+    for sndhwm in (2, 34):  # both under the default 64
+        sent = await sends_before_a_timeout(sndhwm, f"{ipc_endpoint}{sndhwm}")
+        assert sndhwm <= sent < sndhwm + 16, (sndhwm, sent)
