@@ -8,24 +8,18 @@ merges the parts into what the language model's processor receives. The
 encoders are real subprocesses; the embeddings SGLang assembles must equal
 transformers' own (relative error < 1e-4, float32 on both sides).
 
-Encoders and the driver are shared by the whole module (starting them is most
-of the cost); each request uses its own request id, so tests stay independent.
+The driver is shared by the whole module and the encoders by the session, with
+``test_sglang_grpc`` (starting them is most of the cost); each request uses its
+own request id, so tests stay independent.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-import os
-import subprocess
-import sys
-import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,77 +29,29 @@ import torch
 import sglang_expected as ref
 from conftest import image_uri, random_image
 from epd_trio.model.samples import sample_video
+from sglang_encoders import EncoderPool, sglang_encoders  # noqa: F401 (a fixture)
 from sglang_harness import LanguageServer, language_server, sglang_env  # noqa: F401 (fixtures)
 
-START = 240.0  # seconds for an encoder to load and listen, on a busy 2-core machine
 TOL = 1e-4
-
-# name: (family, --encoder-transfer-backend)
-ENCODERS = {
-    "vl_a": ("qwen2_5_vl", "zmq_to_scheduler"),
-    "vl_b": ("qwen2_5_vl", "zmq_to_scheduler"),
-    "vl_tokenizer": ("qwen2_5_vl", "zmq_to_tokenizer"),
-    "vl3": ("qwen3_vl", "zmq_to_scheduler"),
-    "audio": ("qwen2_audio", "zmq_to_scheduler"),
-    "vl_mooncake": ("qwen2_5_vl", "mooncake"),
-}
 IMAGE_SIZES = [(56, 56), (84, 56), (28, 112)]
+# The session's shared encoders this module uses (sglang_encoders.ENCODERS has their flags).
+NAMES = ("vl_a", "vl_b", "vl_tokenizer", "vl3", "audio", "vl_mooncake")
 
 
 class Encoders(dict[str, str]):
     """name → URL of each ``epd-trio encoder --api sglang`` subprocess; their logs for failures."""
 
-    def __init__(self, logs: dict[str, Path]) -> None:
-        super().__init__()
-        self.logs = logs
+    def __init__(self, pool: EncoderPool) -> None:
+        super().__init__({name: pool[name].http for name in NAMES})
+        self._pool = pool
 
     def log_tail(self, name: str, chars: int = 4000) -> str:
-        return self.logs[name].read_text(errors="replace")[-chars:]
-
-
-@contextmanager
-def encoder_process(log: Path, *args: str) -> Iterator[subprocess.Popen[str]]:
-    """As ``conftest.spawn``, with stderr in a file: a long module must never fill a pipe."""
-    env = {**os.environ, "EPD_LOG_LEVEL": "WARNING"}
-    with log.open("wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "epd_trio.cli", "encoder", *args],
-                                stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        assert proc.stdout is not None
-        proc.stdout.close()
-
-
-def url_of(proc: subprocess.Popen[str], log: Path) -> str:
-    """The encoder's ``listening on`` line, read with a bound (the CLI prints it once ready)."""
-    box: list[str] = []
-    assert proc.stdout is not None
-    reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(START)
-    line = box[0] if box else ""
-    assert "listening on http://" in line, (line or "no line in time") + log.read_text()[-4000:]
-    return line.rsplit(" ", 1)[1].strip()
+        return self._pool.log_tail(name, chars)
 
 
 @pytest.fixture(scope="module")
-def encoders(checkpoints: dict[str, str], tmp_path_factory: pytest.TempPathFactory
-             ) -> Iterator[Encoders]:
-    """Every encoder this module uses, started together (they load in parallel)."""
-    root = tmp_path_factory.mktemp("sglang_encoders")
-    found = Encoders({name: root / f"{name}.log" for name in ENCODERS})
-    with ExitStack() as stack:
-        procs = {name: stack.enter_context(encoder_process(
-            found.logs[name], "--api", "sglang", "--encoder-transfer-backend", backend,
-            "--port", "0", "--model-path", checkpoints[family], "--dtype", "float32"))
-            for name, (family, backend) in ENCODERS.items()}
-        for name, proc in procs.items():
-            found[name] = url_of(proc, found.logs[name])
-        yield found
+def encoders(sglang_encoders: EncoderPool) -> Encoders:
+    return Encoders(sglang_encoders)
 
 
 @pytest.fixture(scope="module")

@@ -23,13 +23,10 @@ from __future__ import annotations
 import base64
 import json
 import os
-import socket
 import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,42 +45,18 @@ from epd_trio.model.samples import sample_video
 from epd_trio.protocol.grpc_messages import infer_modality
 from sglang_face_kit import decode_with_sglang, rank, stats, until
 from sglang_harness import Decoder, LanguageServer, SGLangEnv, sglang_decoder, sglang_env  # noqa: F401 (fixtures)
-from test_sglang_end_to_end import BAD_IMAGE, assert_close, encoder_process, ok_ranks, url_of
+from sglang_encoders import EncoderPool, SharedEncoder, sglang_encoders  # noqa: F401 (a fixture)
+from test_sglang_end_to_end import BAD_IMAGE, assert_close, ok_ranks
 
 IMAGE_SIZES = [(56, 56), (84, 56), (28, 112)]
 GRPC_MODE = {"SGLANG_ENCODER_MM_RECEIVER_MODE": "grpc"}
-ENCODERS = {  # name: --encoder-transfer-backend
-    "tok_a": "zmq_to_tokenizer", "tok_b": "zmq_to_tokenizer",
-    "sched_a": "zmq_to_scheduler", "sched_b": "zmq_to_scheduler",
-}
-
-
-@dataclass(frozen=True)
-class GrpcEncoder:
-    http: str  # for /stats
-    grpc: str  # grpc://host:port, what SGLang is given
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+# This module's names for the session's shared encoders (sglang_encoders.ENCODERS).
+SHARED = {"tok_a": "vl_tokenizer", "tok_b": "vl_tokenizer_b", "sched_a": "vl_a", "sched_b": "vl_b"}
 
 
 @pytest.fixture(scope="module")
-def encoders(checkpoints: dict[str, str], tmp_path_factory: pytest.TempPathFactory
-             ) -> Iterator[dict[str, GrpcEncoder]]:
-    root = tmp_path_factory.mktemp("sglang_grpc_encoders")
-    with ExitStack() as stack:
-        ports = {name: free_port() for name in ENCODERS}
-        procs = {name: stack.enter_context(encoder_process(
-            root / f"{name}.log", "--api", "sglang", "--encoder-transfer-backend", backend,
-            "--port", "0", "--grpc-port", str(ports[name]),
-            "--model-path", checkpoints["qwen2_5_vl"], "--dtype", "float32"))
-            for name, backend in ENCODERS.items()}
-        # The CLI prints its line once HTTP and gRPC both listen.
-        yield {name: GrpcEncoder(url_of(proc, root / f"{name}.log"), f"grpc://127.0.0.1:{ports[name]}")
-               for name, proc in procs.items()}
+def encoders(sglang_encoders: EncoderPool) -> dict[str, SharedEncoder]:
+    return {name: sglang_encoders[shared] for name, shared in SHARED.items()}
 
 
 @pytest.fixture(scope="module")
@@ -111,13 +84,13 @@ def rid() -> str:
     return uuid.uuid4().hex
 
 
-def live(encoder: GrpcEncoder) -> list[Any]:
+def live(encoder: SharedEncoder) -> list[Any]:
     return [[encoder.http, "live_requests", 1]]
 
 
 # ---- SGLang's own MMReceiverGrpc, unmodified: zmq_to_tokenizer ----------------------------
 @pytest.mark.parametrize("names", [["tok_a"], ["tok_a", "tok_b"]], ids=["one", "split"])
-def test_zmq_to_tokenizer(grpc_language_server: LanguageServer, encoders: dict[str, GrpcEncoder],
+def test_zmq_to_tokenizer(grpc_language_server: LanguageServer, encoders: dict[str, SharedEncoder],
                           images: list[str], expected: ref.Expected, names: list[str]) -> None:
     answer, tensors = grpc_language_server.request(
         backend="zmq_to_tokenizer", rid=rid(), urls=[encoders[n].grpc for n in names],
@@ -128,7 +101,7 @@ def test_zmq_to_tokenizer(grpc_language_server: LanguageServer, encoders: dict[s
 
 
 def test_zmq_to_tokenizer_error(grpc_language_server: LanguageServer,
-                                encoders: dict[str, GrpcEncoder]) -> None:
+                                encoders: dict[str, SharedEncoder]) -> None:
     answer, tensors = grpc_language_server.request(
         backend="zmq_to_tokenizer", rid=rid(), urls=[encoders["tok_a"].grpc],
         items={"image": [BAD_IMAGE]}, model_type="qwen2_5_vl")
@@ -140,7 +113,7 @@ def test_zmq_to_tokenizer_error(grpc_language_server: LanguageServer,
 # ---- zmq_to_scheduler: MMReceiverGrpc.encode called as the dispatch would ------------------
 @pytest.mark.parametrize("order", ["encode_first", "register_first"])
 def test_zmq_to_scheduler_one_encoder(grpc_language_server: LanguageServer,
-                                      encoders: dict[str, GrpcEncoder], images: list[str],
+                                      encoders: dict[str, SharedEncoder], images: list[str],
                                       expected: ref.Expected, order: str) -> None:
     encoder = encoders["sched_a"]
     wait = live(encoder) if order == "encode_first" else \
@@ -155,7 +128,7 @@ def test_zmq_to_scheduler_one_encoder(grpc_language_server: LanguageServer,
 
 
 def test_zmq_to_scheduler_split_over_two_encoders_two_ranks(
-        grpc_language_server: LanguageServer, encoders: dict[str, GrpcEncoder],
+        grpc_language_server: LanguageServer, encoders: dict[str, SharedEncoder],
         images: list[str], expected: ref.Expected) -> None:
     answer, tensors = grpc_language_server.request(
         backend="zmq_to_scheduler", dispatch="direct", rid=rid(), ranks=2,
@@ -169,7 +142,7 @@ def test_zmq_to_scheduler_split_over_two_encoders_two_ranks(
 
 
 def test_sglangs_own_zmq_to_scheduler_dispatch_fails_upstream(
-        grpc_language_server: LanguageServer, encoders: dict[str, GrpcEncoder],
+        grpc_language_server: LanguageServer, encoders: dict[str, SharedEncoder],
         images: list[str]) -> None:
     """The upstream bug itself: SGLang 0.5.23's dispatch never reaches the encoder."""
     answer, tensors = grpc_language_server.request(
@@ -181,7 +154,7 @@ def test_sglangs_own_zmq_to_scheduler_dispatch_fails_upstream(
 
 
 def test_an_encoder_error_reaches_the_dispatch_and_every_rank(
-        grpc_language_server: LanguageServer, encoders: dict[str, GrpcEncoder],
+        grpc_language_server: LanguageServer, encoders: dict[str, SharedEncoder],
         images: list[str]) -> None:
     # The dispatch error withheld from the ranks: only the encoder's error frame can fail them.
     answer, tensors = grpc_language_server.request(
@@ -197,7 +170,7 @@ def test_an_encoder_error_reaches_the_dispatch_and_every_rank(
 
 
 def test_nothing_is_left_behind(grpc_language_server: LanguageServer,
-                                encoders: dict[str, GrpcEncoder]) -> None:
+                                encoders: dict[str, SharedEncoder]) -> None:
     """Run last of the end-to-end tests: every encoder released every request and registration."""
     for name, encoder in encoders.items():
         deadline = time.monotonic() + 30
