@@ -9,7 +9,8 @@ import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import ExitStack, asynccontextmanager, contextmanager
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -97,10 +98,13 @@ def encoder_for(checkpoints: dict[str, str]) -> Callable[..., Any]:
 
 # ---- `epd-trio` subprocesses, as an operator runs them ----------------------------
 @contextmanager
-def spawn(*args: str) -> Iterator[subprocess.Popen[str]]:
+def spawn(*args: str, log: Path | None = None) -> Iterator[subprocess.Popen[str]]:
+    """``epd-trio ARGS``; stderr in a pipe, or in the file ``log`` (a long run must not fill a pipe)."""
     env = {**os.environ, "EPD_LOG_LEVEL": "WARNING"}
-    proc = subprocess.Popen([sys.executable, "-m", "epd_trio.cli", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    with ExitStack() as files:
+        stderr = files.enter_context(log.open("wb")) if log is not None else subprocess.PIPE
+        proc = subprocess.Popen([sys.executable, "-m", "epd_trio.cli", *args],
+                                stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
     try:
         yield proc
     finally:

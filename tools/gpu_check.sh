@@ -80,7 +80,8 @@ step() {  # step NAME TIMEOUT_S COMMAND...
 step gpu_tests 120 "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -o faulthandler_timeout=110
 # SGLang's own Mooncake receiver (WaitingRDMARequest) with its unmodified per-request CUDA
 # landing buffer; on CPU, tests/sglang lands in a CPU tensor instead. Needs the interop env
-# (tools/sglang_env.sh: carry .sglang) and a CUDA build of mooncake-transfer-engine.
+# (tools/sglang_env.sh) and a CUDA build of mooncake-transfer-engine on that machine: the
+# device tool's carry (64 MiB in all) cannot take .sglang (~270 MB), so a lent machine skips it.
 if [ -f "$ROOT/.sglang/.epd-sglang-installed" ] && "$PY" -c 'import mooncake.engine' >/dev/null 2>&1; then
     step sglang_mooncake 120 env EPD_SGLANG_LANDING=cuda EPD_REQUIRE_SGLANG=1 "$PY" -m pytest -q \
         tests/sglang/test_sglang_end_to_end.py -k mooncake -p no:cacheprovider -o faulthandler_timeout=110

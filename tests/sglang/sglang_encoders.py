@@ -9,17 +9,17 @@ first test that needs one, and load in parallel.
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
-import sys
 import threading
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from conftest import spawn
+from sglang_harness import once_per_session
 
 START = 240.0  # seconds for an encoder to load and listen, on a busy 2-core machine
 
@@ -50,10 +50,11 @@ class EncoderPool(dict[str, SharedEncoder]):
         self._stack = ExitStack()
         try:
             ports = {name: free_port() for name in ENCODERS}
-            procs = {name: self._stack.enter_context(encoder_process(
-                root / f"{name}.log", "--api", "sglang", "--encoder-transfer-backend", backend,
+            # stderr in a file: a long session must never fill a pipe
+            procs = {name: self._stack.enter_context(spawn(
+                "encoder", "--api", "sglang", "--encoder-transfer-backend", backend,
                 "--port", "0", "--grpc-port", str(ports[name]),
-                "--model-path", checkpoints[family], "--dtype", "float32"))
+                "--model-path", checkpoints[family], "--dtype", "float32", log=root / f"{name}.log"))
                 for name, (family, backend) in ENCODERS.items()}
             for name, proc in procs.items():  # the CLI prints its line once HTTP and gRPC listen
                 log = root / f"{name}.log"
@@ -75,23 +76,6 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-@contextmanager
-def encoder_process(log: Path, *args: str) -> Iterator[subprocess.Popen[str]]:
-    """As ``conftest.spawn``, with stderr in a file: a long session must never fill a pipe."""
-    env = {**os.environ, "EPD_LOG_LEVEL": "WARNING"}
-    with log.open("wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "epd_trio.cli", "encoder", *args],
-                                stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        assert proc.stdout is not None
-        proc.stdout.close()
-
-
 def url_of(proc: subprocess.Popen[str], log: Path) -> str:
     """The encoder's ``listening on`` line, read with a bound (the CLI prints it once ready)."""
     box: list[str] = []
@@ -104,17 +88,11 @@ def url_of(proc: subprocess.Popen[str], log: Path) -> str:
     return line.rsplit(" ", 1)[1].strip()
 
 
-# Each test module imports the fixture, and so gets its own instance of it: the pool lives
-# in the pytest session's stash instead, and the session closes it at its end.
 _POOL = pytest.StashKey[EncoderPool]()
 
 
 @pytest.fixture(scope="session")
 def sglang_encoders(checkpoints: dict[str, str], tmp_path_factory: pytest.TempPathFactory,
                     request: pytest.FixtureRequest) -> EncoderPool:
-    pool = request.config.stash.get(_POOL, None)
-    if pool is None:
-        pool = EncoderPool(checkpoints, tmp_path_factory.mktemp("sglang_encoders"))
-        request.config.stash[_POOL] = pool
-        request.config.add_cleanup(pool.close)
-    return pool
+    return once_per_session(request, _POOL,
+                            lambda: EncoderPool(checkpoints, tmp_path_factory.mktemp("sglang_encoders")))

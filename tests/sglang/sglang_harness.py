@@ -20,10 +20,10 @@ import queue
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import pytest
 import trio
@@ -203,17 +203,31 @@ def language_server(sglang_env: SGLangEnv, tmp_path_factory: pytest.TempPathFact
         server.close()
 
 
-# Each test module imports the fixture, and so gets its own instance of it: the one process
-# lives in the pytest session's stash instead, and the session closes it at its end.
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+T = TypeVar("T", bound=Closable)
+
+
+def once_per_session(request: pytest.FixtureRequest, key: pytest.StashKey[T], make: Callable[[], T]) -> T:
+    """``make()`` once for the whole session, closed at its end.
+
+    Each test module imports a session fixture from here, and so gets its own instance
+    of it: the object lives in the session's stash instead.
+    """
+    found = request.config.stash.get(key, None)
+    if found is None:
+        found = request.config.stash[key] = make()
+        request.config.add_cleanup(found.close)
+    return found
+
+
 _DECODER = pytest.StashKey[Decoder]()
 
 
 @pytest.fixture(scope="session")
 def sglang_decoder(sglang_env: SGLangEnv, tmp_path_factory: pytest.TempPathFactory,
                    request: pytest.FixtureRequest) -> Decoder:
-    decoder = request.config.stash.get(_DECODER, None)
-    if decoder is None:
-        decoder = Decoder(sglang_env, tmp_path_factory.mktemp("sglang_decoder"))
-        request.config.stash[_DECODER] = decoder
-        request.config.add_cleanup(decoder.close)
-    return decoder
+    return once_per_session(request, _DECODER,
+                            lambda: Decoder(sglang_env, tmp_path_factory.mktemp("sglang_decoder")))
