@@ -123,6 +123,26 @@ async def listening_url(proc: subprocess.Popen[str]) -> str:
     return line.rsplit(" ", 1)[1].strip()
 
 
+# ---- transformers' own vision features, the references embeddings are checked against ----
+def deepstack_levels(out: Any) -> list[Any]:
+    """The deepstack levels of one item from ``get_image_features`` / ``get_video_features``
+    (none for a model without them). transformers 5.24 gives each level per item; 5.17, the
+    lent GPU machines' version, gives one ``[tokens, dim]`` tensor per level."""
+    import torch
+
+    return [level if isinstance(level, torch.Tensor) and level.dim() == 2 else level[0]
+            for level in getattr(out, "deepstack_features", None) or []]
+
+
+def with_deepstack(out: Any) -> Any:
+    """``[embedding | deepstack_0 | ...]`` of one item along dim 1, as epd_trio (and SGLang's
+    encoder) send it."""
+    import torch
+
+    (emb,) = out.pooler_output
+    return torch.cat([emb, *deepstack_levels(out)], dim=-1)
+
+
 # ---- transformers' own audio path, the reference audio embeddings are checked against ----
 def audio_reference(path: str, waves: list[Any], rate: int) -> tuple[Any, list[int], list[int]]:
     """Qwen2-Audio rows of the LM's input embeddings, the processor's token counts and the

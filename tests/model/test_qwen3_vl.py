@@ -13,7 +13,7 @@ import torch
 import transformers
 import trio
 
-from conftest import TEST_SPECS, png_bytes, random_image
+from conftest import TEST_SPECS, deepstack_levels, png_bytes, random_image
 from epd_trio import open_engine
 from epd_trio.model.adapters.qwen_vl import frame_timestamps
 from epd_trio.model.loader import load_encoder
@@ -34,7 +34,7 @@ def reference(path: str, images: list) -> list[tuple[torch.Tensor, list[torch.Te
             inputs = processor(images=[image], return_tensors="pt")
             features = model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
             (emb,) = features.pooler_output
-            deepstack = [level[0] for level in features.deepstack_features]
+            deepstack = deepstack_levels(features)
             out.append((emb, deepstack, tuple(inputs["image_grid_thw"][0].tolist())))
     return out
 

@@ -18,6 +18,7 @@ import trio
 from PIL import Image
 from transformers.video_utils import load_video
 
+from conftest import with_deepstack
 from epd_trio import open_engine
 from epd_trio.errors import PayloadTooLargeError, RequestError
 from epd_trio.model.loader import load_encoder
@@ -35,10 +36,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def features(model, pixel_values, grid) -> torch.Tensor:
-    out = model.get_video_features(pixel_values, grid)
-    (emb,) = out.pooler_output
-    deepstack = getattr(out, "deepstack_features", None) or []
-    return torch.cat([emb, *(feat[0] for feat in deepstack)], dim=-1)
+    return with_deepstack(model.get_video_features(pixel_values, grid))
 
 
 def reference(path: str, videos: list, fps: float = 2.0, bounds: dict | None = None) -> list[dict]:

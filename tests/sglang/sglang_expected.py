@@ -17,7 +17,7 @@ import numpy as np
 import soundfile
 import torch
 import transformers
-from conftest import audio_reference
+from conftest import audio_reference, with_deepstack
 from transformers.video_utils import load_video
 
 FPS = 2.0  # the encoder's --video-fps default, which the references sample at too
@@ -51,20 +51,13 @@ def _vision_model(path: str) -> Any:
     return transformers.AutoModelForImageTextToText.from_pretrained(path).eval()
 
 
-def _with_deepstack(out: Any) -> torch.Tensor:
-    """``[embedding | deepstack_0 | ...]`` along dim 1, as epd_trio (and SGLang's encoder) send it."""
-    (emb,) = out.pooler_output
-    deepstack = getattr(out, "deepstack_features", None) or []
-    return torch.cat([emb, *(level[0] for level in deepstack)], dim=-1)
-
-
 def images(path: str, pil: list[Any]) -> Expected:
     model, processor = _vision_model(path), transformers.AutoImageProcessor.from_pretrained(path)
     result = Expected([], [])
     with torch.inference_mode():
         for image in pil:
             inputs = processor(images=[image], return_tensors="pt")
-            result.embeddings.append(_with_deepstack(
+            result.embeddings.append(with_deepstack(
                 model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])))
             result.grids.append(inputs["image_grid_thw"][0].tolist())
     return result
@@ -81,7 +74,7 @@ def videos(path: str, files: list[Path]) -> Expected:
                                       vp.sample_frames(metadata, fps=FPS))
             inputs = vp(videos=[frames], do_sample_frames=False, return_tensors="pt")
             grid = inputs["video_grid_thw"]
-            result.embeddings.append(_with_deepstack(
+            result.embeddings.append(with_deepstack(
                 model.get_video_features(inputs["pixel_values_videos"], grid)))
             result.grids.append(grid[0].tolist())
             result.second_per_grid_ts.append(tps / meta.sampled_fps)
