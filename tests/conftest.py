@@ -123,7 +123,7 @@ async def listening_url(proc: subprocess.Popen[str]) -> str:
     return line.rsplit(" ", 1)[1].strip()
 
 
-# ---- transformers' own vision features, the references embeddings are checked against ----
+# ---- transformers' own vision features, the reference embeddings are checked against ----
 def deepstack_levels(out: Any) -> list[Any]:
     """The deepstack levels of one item from ``get_image_features`` / ``get_video_features``
     (none for a model without them). transformers 5.24 gives each level per item; 5.17, the
