@@ -16,13 +16,17 @@ nothing from epd_trio. Lines meant for the test start with ``EPD-DRIVER``
     The same for each directory read from stdin, one per line, in one process
     (SGLang's receiver is imported once): print ``READY``, then ``DONE <n>`` or
     ``FAILED <why>`` per directory (the traceback goes to stderr).
-``bootstrap``
-    Run SGLang's ``EncoderBootstrapServer`` on 127.0.0.1, port 0; print its
-    port; at stdin EOF print the URLs it holds and stop.
-``register REGISTRY HOST PORT [HOST PORT ...]``
-    Register an encoder at each HOST:PORT with SGLang's own encoder-side code
-    (``http_server._register_encoder_url_with_bootstrap``); at a stdin line,
-    unregister them the same way. A warning from that code (a non-200 answer)
+``registration-serve``
+    SGLang's registration code, imported once, for commands read from stdin,
+    one per line (print ``READY`` first):
+
+    ``bootstrap``: run SGLang's ``EncoderBootstrapServer`` on 127.0.0.1, port 0;
+    print ``PORT <port>``. ``urls``: print ``URLS <json>``, the URLs it holds, and
+    stop it. ``register REGISTRY HOST PORT [HOST PORT ...]``: register an encoder
+    at each HOST:PORT with SGLang's own encoder-side code
+    (``http_server._register_encoder_url_with_bootstrap``); print ``REGISTERED``
+    and the pairs. ``unregister``: unregister them the same way; print
+    ``UNREGISTERED`` and the pairs. A warning from that code (a non-200 answer)
     ends the process at once with ``FAILED``.
 ``serve``
     Be an SGLang language server's encoder-facing half (``sglang_language_side.py``):
@@ -131,7 +135,7 @@ def decode_serve(lines: Any) -> None:
             say("FAILED", f"{type(exc).__name__}: {exc}".replace("\n", " "))
 
 
-def bootstrap() -> None:
+def _start_bootstrap() -> Any:
     from sglang.srt.disaggregation.encoder.receiver import EncoderBootstrapServer
 
     server = EncoderBootstrapServer("127.0.0.1", 0, health_check_interval=0)
@@ -142,9 +146,7 @@ def bootstrap() -> None:
             sys.exit(3)
         time.sleep(0.01)
     say("PORT", server._server.servers[0].sockets[0].getsockname()[1])
-    sys.stdin.read()
-    say("URLS", json.dumps(server.list_urls()))
-    server.close()
+    return server
 
 
 class _FailFast(logging.Handler):
@@ -162,23 +164,44 @@ def _publish_encoder(registry: str, host: str, port: int) -> None:
     publish(args, role="encoder")  # last publish wins: one encoder identity at a time
 
 
-def register(registry: str, pairs: list[tuple[str, int]]) -> None:
-    from sglang.srt.disaggregation.encoder import http_server
-
-    handler = _FailFast(level=logging.WARNING)
-    logging.getLogger(http_server.__name__).addHandler(handler)
+def _register(http_server: Any, registry: str, pairs: list[tuple[str, int]]) -> None:
     for host, port in pairs:
         _publish_encoder(registry, host, port)
         http_server._register_encoder_url_with_bootstrap()
         for thread in threading.enumerate():  # its worker ends once every registry said 200
             if thread.name == "encoder-bootstrap-register":
                 thread.join()
-        say("REGISTERED", host, port)
-    sys.stdin.readline()
+    say("REGISTERED", *(w for pair in pairs for w in pair))
+
+
+def _unregister(http_server: Any, registry: str, pairs: list[tuple[str, int]]) -> None:
     for host, port in pairs:
         _publish_encoder(registry, host, port)
         http_server._unregister_encoder_url_from_bootstrap()
-        say("UNREGISTERED", host, port)
+    say("UNREGISTERED", *(w for pair in pairs for w in pair))
+
+
+def registration_serve(lines: Any) -> None:
+    from sglang.srt.disaggregation.encoder import http_server
+
+    logging.getLogger(http_server.__name__).addHandler(_FailFast(level=logging.WARNING))
+    server = None
+    registry, pairs = "", []
+    say("READY")
+    for line in lines:
+        command, *rest = line.split()
+        if command == "bootstrap":
+            server = _start_bootstrap()
+        elif command == "urls":
+            say("URLS", json.dumps(server.list_urls()))
+            server.close()
+        elif command == "register":
+            registry, pairs = rest[0], [(rest[i], int(rest[i + 1])) for i in range(1, len(rest), 2)]
+            _register(http_server, registry, pairs)
+        elif command == "unregister":
+            _unregister(http_server, registry, pairs)
+        else:
+            say("FAILED", f"unknown command {command!r}")
 
 
 def main(argv: list[str]) -> None:
@@ -187,10 +210,8 @@ def main(argv: list[str]) -> None:
         decode(Path(rest[0]))
     elif mode == "decode-serve":
         decode_serve(sys.stdin)
-    elif mode == "bootstrap":
-        bootstrap()
-    elif mode == "register":
-        register(rest[0], [(rest[i], int(rest[i + 1])) for i in range(1, len(rest), 2)])
+    elif mode == "registration-serve":
+        registration_serve(sys.stdin)
     elif mode == "serve":
         from sglang_language_side import serve
 

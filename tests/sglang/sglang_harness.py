@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import pytest
-import trio
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUIREMENTS = ROOT / "tools" / "sglang-requirements.txt"
@@ -55,28 +54,6 @@ class SGLangEnv:
     def environ(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         return {**env, "PYTHONPATH": str(self.path), "PYTHONWARNINGS": "ignore"}
-
-
-class DriverLines:
-    """Reads the driver's ``EPD-DRIVER`` lines from its stdout, skipping SGLang's own prints."""
-
-    def __init__(self, process: trio.Process) -> None:
-        assert process.stdout is not None
-        self._stream = process.stdout
-        self._buffer = bytearray()
-
-    async def next(self) -> list[str]:
-        while True:
-            while b"\n" not in self._buffer:
-                chunk = await self._stream.receive_some()
-                if not chunk:
-                    raise EOFError("the SGLang driver exited")
-                self._buffer += chunk
-            line, _, rest = self._buffer.partition(b"\n")
-            self._buffer = bytearray(rest)
-            words = line.decode(errors="replace").split(" ", 1)
-            if words[0] == "EPD-DRIVER":
-                return words[1].split(" ")
 
 
 @pytest.fixture(scope="session")

@@ -9,21 +9,18 @@
 
 from __future__ import annotations
 
-import functools
-import subprocess
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 
 import httpx
+import pytest
 import trio
 import trio.testing
-from sglang_harness import DriverLines, SGLangEnv, sglang_env  # noqa: F401 (a fixture)
+from sglang_harness import DriverProcess, SGLangEnv, sglang_env  # noqa: F401 (a fixture)
 
 from epd_trio import BootstrapConfig, serve_bootstrap
 from epd_trio.bootstrap.registration import open_registration
 
 ME = "http://127.0.0.1:39001"
-DRIVER_START = 300.0  # seconds for the driver to import SGLang and answer, on a busy machine
 
 
 class Observed(httpx.AsyncBaseTransport):
@@ -47,63 +44,55 @@ class Observed(httpx.AsyncBaseTransport):
         await self._inner.aclose()
 
 
-@asynccontextmanager
-async def driver(env: SGLangEnv, *args: str) -> AsyncIterator[tuple[trio.Process, DriverLines]]:
-    async with trio.open_nursery() as nursery:
-        process: trio.Process = await nursery.start(functools.partial(
-            trio.run_process, env.command(*args), env=env.environ(), stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, check=False))
-        try:
-            yield process, DriverLines(process)
-        finally:
-            assert process.stdin is not None
-            await process.stdin.aclose()  # the driver's cue to finish
+@pytest.fixture(scope="module")
+def sglang_registration(sglang_env: SGLangEnv, tmp_path_factory: pytest.TempPathFactory
+                        ) -> Iterator[DriverProcess]:
+    """One ``registration-serve`` driver for both tests: importing SGLang's code is most of the cost."""
+    driver = DriverProcess(sglang_env, "registration-serve",
+                           tmp_path_factory.mktemp("sglang_registration") / "driver.log")
+    try:
+        yield driver
+    finally:
+        driver.close()
 
 
-async def test_our_registration_counts_sglangs_ok_as_success(sglang_env: SGLangEnv) -> None:
-    async with driver(sglang_env, "bootstrap") as (process, lines):
-        with trio.fail_after(DRIVER_START):
-            word, port = await lines.next()
-        assert word == "PORT"
-        sglang_url = f"http://127.0.0.1:{port}"
-        observed = Observed()
-        async with httpx.AsyncClient(transport=observed) as http, httpx.AsyncClient() as probe:
-            async with open_registration([sglang_url], ME, heartbeat_interval=3600.0,
-                                         http=http) as reg:
-                with trio.fail_after(60):
-                    assert await observed.answers.receive() == ("POST", 200)
-                await trio.testing.wait_all_tasks_blocked()  # the answer has been handled
-                (link,) = reg.statistics().links
-                assert (link.registered, link.attempts, link.failures) == (True, 1, 0)
-                listed = (await probe.get(sglang_url + "/list_encoder_urls")).json()
-                assert listed == {"encoder_urls": [ME]}
-            assert await observed.answers.receive() == ("DELETE", 200)
-            assert reg.statistics().unregistered == 1
+async def command(driver: DriverProcess, line: str, timeout: float = 60.0) -> list[str]:
+    """A driver command from a worker thread: the trio loop meanwhile serves the registry it calls."""
+    return await trio.to_thread.run_sync(driver.command, line, timeout)
+
+
+async def test_our_registration_counts_sglangs_ok_as_success(sglang_registration: DriverProcess) -> None:
+    word, port = await command(sglang_registration, "bootstrap")
+    assert word == "PORT"
+    sglang_url = f"http://127.0.0.1:{port}"
+    observed = Observed()
+    async with httpx.AsyncClient(transport=observed) as http, httpx.AsyncClient() as probe:
+        async with open_registration([sglang_url], ME, heartbeat_interval=3600.0, http=http) as reg:
+            with trio.fail_after(60):
+                assert await observed.answers.receive() == ("POST", 200)
+            await trio.testing.wait_all_tasks_blocked()  # the answer has been handled
+            (link,) = reg.statistics().links
+            assert (link.registered, link.attempts, link.failures) == (True, 1, 0)
             listed = (await probe.get(sglang_url + "/list_encoder_urls")).json()
-            assert listed == {"encoder_urls": []}
-        assert process.stdin is not None
-        await process.stdin.aclose()
-        assert await lines.next() == ["URLS", "[]"]
+            assert listed == {"encoder_urls": [ME]}
+        assert await observed.answers.receive() == ("DELETE", 200)
+        assert reg.statistics().unregistered == 1
+        listed = (await probe.get(sglang_url + "/list_encoder_urls")).json()
+        assert listed == {"encoder_urls": []}
+    assert await command(sglang_registration, "urls") == ["URLS", "[]"]
 
 
-async def test_our_registry_accepts_sglang_encoders(sglang_env: SGLangEnv) -> None:
+async def test_our_registry_accepts_sglang_encoders(sglang_registration: DriverProcess) -> None:
     # SGLang's encoder advertises NetworkAddress(host, port).to_url(): IPv6 hosts in brackets.
     encoders = [("127.0.0.1", "30001", "http://127.0.0.1:30001"),
                 ("::1", "30002", "http://[::1]:30002")]
+    pairs = " ".join(f"{host} {port}" for host, port, _ in encoders)
     config = BootstrapConfig(port=0, health_interval=3600.0)  # no probe of these fake encoders
     async with serve_bootstrap(config) as registry, \
             httpx.AsyncClient(base_url=registry.url) as http:
-        args = [a for host, port, _ in encoders for a in (host, port)]
-        async with driver(sglang_env, "register", registry.url, *args) as (process, lines):
-            for host, port, _ in encoders:
-                with trio.fail_after(DRIVER_START):
-                    assert await lines.next() == ["REGISTERED", host, port]
-            listed = (await http.get("/list_encoder_urls")).json()
-            assert listed == {"encoder_urls": [url for _, _, url in encoders]}
-            assert process.stdin is not None
-            await process.stdin.send_all(b"unregister\n")
-            for host, port, _ in encoders:
-                with trio.fail_after(60):
-                    assert await lines.next() == ["UNREGISTERED", host, port]
+        assert await command(sglang_registration, f"register {registry.url} {pairs}") == ["REGISTERED", pairs]
+        listed = (await http.get("/list_encoder_urls")).json()
+        assert listed == {"encoder_urls": [url for _, _, url in encoders]}
+        assert await command(sglang_registration, "unregister") == ["UNREGISTERED", pairs]
         assert (await http.get("/list_encoder_urls")).json() == {"encoder_urls": []}
         assert registry.statistics().registry.encoders == 0
