@@ -12,6 +12,8 @@ import trio
 import trio.testing
 import zmq
 
+from epd_trio.config import EncoderConfig
+from epd_trio.delivery import open_deliveries
 from epd_trio.errors import RequestError, TransferTimeout, TransportError
 from epd_trio.protocol import encode_zmq_message, error_message, header_for
 from epd_trio.protocol.codec import FrameLike
@@ -314,14 +316,10 @@ async def test_send_outside_the_block_is_refused() -> None:
         await cache.send("tcp://127.0.0.1:5555", [b"x"], 1.0)
 
 
-
 async def test_the_encoder_config_bounds_what_a_stuck_receiver_queues(ipc_endpoint: str) -> None:
     """``--zmq-sndhwm``: how many messages to one receiver that stopped reading are queued
     before a send waits (and times out). Over ipc at least that many are taken, and a few
     more at most (kernel buffers: measured 2 → 7, 8 → 12, 16 → 16, 34 → 34, 64 → 64)."""
-    from epd_trio.config import EncoderConfig
-    from epd_trio.delivery import open_deliveries
-
     async def sends_before_a_timeout(sndhwm: int, endpoint: str) -> int:
         ctx = zmq.Context()
         stuck = ctx.socket(zmq.PULL)  # bound, never read
