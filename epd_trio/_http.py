@@ -42,6 +42,7 @@ __all__ = [
     "parse_json_off_loop",
     "shield_sends",
     "shielded_send",
+    "with_allow",
 ]
 
 log = logging.getLogger(__name__)
@@ -173,7 +174,16 @@ def http_exception_reply(exc: HTTPException) -> Reply:
         return error_reply(PayloadTooLargeError("request body is over the size limit")).closing()
     body = {"error": {"type": exc.name.replace(" ", ""), "message": exc.description or exc.name},
             "req_id": None}
-    return json_reply(body, exc.code or 500)
+    return with_allow(json_reply(body, exc.code or 500), exc)
+
+
+def with_allow(reply: Reply, exc: HTTPException) -> Reply:
+    """``reply`` with the ``Allow`` header a 405 must carry (RFC 9110 15.5.6).
+
+    The framework's other headers (its HTML ``Content-Type``) are not ours.
+    """
+    allow = tuple((name, value) for name, value in exc.get_headers() if name.lower() == "allow")
+    return Reply(reply.status, reply.body, reply.content_type, (*reply.headers, *allow))
 
 
 def face_error_reply(exc: BaseException) -> Reply:

@@ -90,8 +90,7 @@ class BareRoutes:
         """The reply, or None when the client left before its body was read."""
         # A reply given before the whole body was read closes the connection.
         if scope["method"] != "POST":
-            reply = self._error_reply(MethodNotAllowed(["POST"]))
-            return Reply(reply.status, reply.body, reply.content_type, (("Allow", "POST"),)).closing()
+            return self._error_reply(MethodNotAllowed(["POST"])).closing()  # with Allow: POST
         try:
             try:
                 self._check_token(scope)

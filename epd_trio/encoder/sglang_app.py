@@ -32,7 +32,8 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from epd_trio._http import JoinedBodyRequest, Reply, as_response, json_reply, json_response, parse_json_off_loop
+from epd_trio._http import (JoinedBodyRequest, Reply, as_response, json_reply, json_response,
+                            parse_json_off_loop, with_allow)
 from epd_trio.encoder.app import access_control, add_shared_routes, bare_routes
 from epd_trio.encoder.asgi_route import BareRoutes, Handler
 from epd_trio.encoder.profiling import parse_profile_request
@@ -59,8 +60,8 @@ def sglang_error_reply(exc: BaseException, req_id: object = None) -> Reply:
     if isinstance(exc, HTTPException):  # a framework's 404, 405, 413
         if exc.code == 413:  # refused unread: the connection cannot carry another request
             return sglang_error_reply(PayloadTooLargeError("request body is over the size limit")).closing()
-        return json_reply({"status": "error", "message": exc.description or exc.name,
-                           "req_id": None}, exc.code or 500)
+        return with_allow(json_reply({"status": "error", "message": exc.description or exc.name,
+                                      "req_id": None}, exc.code or 500), exc)
     message = error_body(exc)["error"]["message"]  # type: ignore[index]
     return json_reply({"status": "error", "message": message,
                        "req_id": req_id if isinstance(req_id, str) else None}, http_status(exc))

@@ -28,7 +28,7 @@ import pybase64
 import trio
 
 from epd_trio._util import first_leaf
-from epd_trio.errors import PayloadTooLargeError, RequestError
+from epd_trio.errors import FetchRefusedError, PayloadTooLargeError, RequestError
 from epd_trio.model.fetch_rules import FetchRules, Pinned, Resolver, pin, resolve_host
 
 __all__ = ["MediaLimits", "MediaLoader", "decode_image", "is_frame_list", "item_error",
@@ -66,6 +66,11 @@ class MediaLimits:
 
 def item_error(index: int, reason: str) -> RequestError:
     return RequestError(f"item {index}: {reason}")
+
+
+def scheme_refused(index: int, scheme: str) -> FetchRefusedError:
+    """Fetch rule 1 (http(s) only), for an item's URL and every redirect hop alike."""
+    return FetchRefusedError(f"item {index}: URL scheme {scheme!r} is not allowed (use data:, http, https)")
 
 
 def _url_of(item: MediaItem, index: int) -> MediaItem:
@@ -187,13 +192,13 @@ class MediaLoader:
         if scheme in ("http", "https"):
             return await self._fetch(index, item)
         if scheme:
-            raise item_error(index, f"URL scheme {scheme!r} is not allowed (use data:, http, https)")
+            raise scheme_refused(index, scheme)
         return await self._read_local(index, item)
 
     async def _check(self, index: int, url: httpx.URL) -> Pinned:
         """The rules for one hop, before anything connects to it."""
         if url.scheme not in ("http", "https"):
-            raise item_error(index, f"URL scheme {url.scheme!r} is not allowed (use data:, http, https)")
+            raise scheme_refused(index, url.scheme)
         try:
             return await pin(url, self._rules, self._resolve)
         except RequestError as exc:  # FetchRefusedError stays one: the rule refused it

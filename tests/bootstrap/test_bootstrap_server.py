@@ -110,6 +110,7 @@ async def test_malformed_urls_and_bodies_are_400() -> None:
         assert reg.registry.urls() == []
         r = await http.get("/register_encoder_url")
         assert r.status_code == 405 and "error" in r.json()
+        assert "POST" in r.headers["allow"] and r.headers["content-type"] == "application/json"
         r = await http.post("/register_encoder_url", content=b"x" * 100_000)
         assert r.status_code == 413 and "error" in r.json()
 

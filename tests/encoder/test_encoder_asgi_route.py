@@ -81,6 +81,15 @@ async def test_other_methods_are_405_with_allow(encoder: Any, method: str) -> No
         assert error_of(r)["type"] == "MethodNotAllowed"
 
 
+async def test_quart_routes_405_with_allow_too(encoder: Any) -> None:
+    async with encoder() as (_, http):
+        for method, path, allowed in [("POST", "/health", "GET"), ("GET", "/abort", "POST")]:
+            r = await http.request(method, path)
+            assert r.status_code == 405 and allowed in r.headers["allow"].split(", "), (path, r.headers)
+            assert r.headers["content-type"] == "application/json"
+            assert error_of(r)["type"] == "MethodNotAllowed"
+
+
 async def test_declared_oversized_body_is_413_unread_and_the_connection_closes(encoder: Any) -> None:
     limit = len(json.dumps(ENCODE)) + 100
     async with encoder(max_body_bytes=limit) as (server, http):
@@ -166,6 +175,9 @@ async def test_sglang_face_serves_its_data_routes_bare_in_its_error_shape(encode
             bad = await http.post(path, content=b"{bad", headers={"content-type": "application/json"})
             assert bad.status_code == 400 and bad.json()["status"] == "error", (path, bad.text)
         assert (await http.get("/health_generate")).status_code == 200  # still Quart's
+        quart = await http.delete("/start_profile")  # Quart's 405, in SGLang's shape, with Allow
+        assert quart.status_code == 405 and quart.json()["status"] == "error"
+        assert {"GET", "POST"} <= set(quart.headers["allow"].split(", "))
 
 
 async def read_to_close(url: str, request: bytes) -> bytes:

@@ -90,6 +90,14 @@ async def test_bad_items(name: str, items: list, message: str) -> None:
         await load(items)
 
 
+@pytest.mark.parametrize("url", ["file:///etc/passwd", "FTP://x/y.png", "gopher://x/"])
+async def test_a_refused_scheme_is_a_fetch_rule(url: str) -> None:
+    """Rule 1 refuses like the others: a ``FetchRefusedError`` (400), before anything connects."""
+    with pytest.raises(FetchRefusedError, match="item 0: URL scheme '(file|ftp|gopher)' is not allowed") as info:
+        await load([url])
+    assert info.value.status_code == 400
+
+
 async def test_http_error_status(web: MediaServer) -> None:
     with pytest.raises(RequestError, match="item 0: fetching .*/missing.png gave HTTP 404"):
         await load([web.url("/missing.png")])
@@ -266,7 +274,7 @@ async def test_redirects_to_refused_places_connect_to_nothing(web: MediaServer) 
         ("/metadata-name", FetchRefusedError, "host 'meta.ok.test' resolves to a cloud metadata address"),
         ("/link-local-v6", FetchRefusedError, "fe80::1 is link-local .refused always."),
         ("/elsewhere", FetchRefusedError, "host 'elsewhere.test' is not in the encoder's fetch allow-list"),
-        ("/file", RequestError, "URL scheme 'file'"),
+        ("/file", FetchRefusedError, "URL scheme 'file'"),
         ("/loop", RequestError, "over 3 redirects"),
     ]:
         seen: list[str] = []
