@@ -52,15 +52,15 @@ class EngineConfig:
         None, "local Hugging Face checkpoint directory of the full multimodal model "
         "(default: the embedded tiny random-weight qwen2_5_vl, generated on first use)")
     device: str = _opt("cpu", "torch device for the encoder (cpu, cuda, cuda:1); a comma-separated "
-                       "list (cuda:0,cuda:1) runs one worker per device behind one queue (data parallel)")
+                       "list (cuda:0,cuda:1) runs one worker per device behind one admission bound (data parallel)")
     dtype: str = _opt("auto", "auto (the checkpoint's), float32, bfloat16 or float16")
     compile: bool = _opt(False, "torch.compile the encoder's forward (dynamic shapes; the first "
                          "batches of each new size are slow while it compiles)")
     cpu_threads: int = _opt(0, "torch intra-op threads of each forward on a CPU device (0 = the "
                             "cores this process may use, shared among the CPU workers); "
                             "ignored on GPUs")
-    preprocess_threads: int = _opt(1, "torch intra-op threads of each preprocessing worker (1: "
-                                   "no OpenMP team of its own competing with the forward)")
+    preprocess_threads: int = _opt(1, "torch intra-op threads of each preprocessing worker, thread or "
+                                   "process (1: no OpenMP team of its own competing with the forward)")
     max_batch_size: int = _opt(8, "most requests in one forward")
     max_batch_tokens: int = _opt(65536, "most output tokens in one forward (the oldest request always runs)")
     coalesce_delay: float = _opt(0.0, "seconds a non-full batch waits for company (0 = never)")
@@ -180,7 +180,7 @@ class EncoderConfig:
     mooncake_protocol: str = _opt("tcp", "Mooncake transport: tcp, or rdma where RDMA NICs exist")
     mooncake_device: str = _opt("", "Mooncake RDMA device names (e.g. mlx5_0), empty for tcp")
     mooncake_host: str | None = _opt(None, "address Mooncake peers reach this encoder at "
-                                     "(default: --host, or 127.0.0.1 when that is 0.0.0.0)")
+                                     "(default: --host, or 127.0.0.1 when that is 0.0.0.0 or ::)")
     register_url: tuple[str, ...] = _opt((), "bootstrap registry URL to register this encoder with "
                                          "(repeatable; the variable takes a comma-separated list)")
     advertise_url: str | None = _opt(None, "URL registries and clients reach this encoder at "

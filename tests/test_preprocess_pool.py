@@ -126,8 +126,9 @@ async def test_engine_in_process_mode_equals_thread_mode(qwen25_path: str) -> No
     async with open_engine(model_path=qwen25_path, dtype="float32") as engine:
         want = await engine.encode(items, "image")
     async with open_engine(model_path=qwen25_path, dtype="float32", preprocess_mode="process",
-                           preprocess_workers=1) as engine:
+                           preprocess_workers=1, preprocess_threads=2) as engine:
         assert engine.preprocess_pool is not None
+        assert engine.preprocess_pool.spec.torch_threads == 2  # --preprocess-threads reaches the children
         got = await engine.encode(items, "image")
         assert engine.preprocess_pool.statistics().done == 1
     assert got.token_counts == want.token_counts and got.grid_thw == want.grid_thw

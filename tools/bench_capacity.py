@@ -523,7 +523,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sizes", nargs="+", type=int, default=None, help="square image sizes (64 224 448 1024)")
     p.add_argument("--workers", nargs="+", type=int, default=None, help="--preprocess-workers values (1 2)")
     p.add_argument("--concurrency", type=int, default=None, help="concurrent clients (32; quick 16)")
-    p.add_argument("--seconds", type=float, default=None, help="length of one window (4; quick 2)")
+    p.add_argument("--seconds", type=float, default=None, help="length of one window (4; quick 1.5)")
     p.add_argument("--repeats", type=int, default=None, help="windows per case, median taken (3; quick 2)")
     p.add_argument("--warmup", type=float, default=1.0, help="seconds of warm-up per case")
     p.add_argument("--tree", type=Path, action="append", help="source tree whose encoder runs "

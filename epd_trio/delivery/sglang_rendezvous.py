@@ -12,7 +12,8 @@ registration that no ``/encode`` claims within its wait is withdrawn (504), a
 sizes wait that times out leaves nothing behind, and ``statistics()`` shows
 that the table is empty once the traffic has gone. How the last ``MAX_ENDED``
 parts ended is remembered (a bounded table), so a caller that comes after its
-part was released is answered at once instead of waiting out its timeout.
+part was released is answered at once, with how it ended, instead of waiting out its
+timeout or hearing only that the part is unknown.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ class Rendezvous:
         self._ended: OrderedDict[str, EPDError | None] = OrderedDict()  # req_id → its error
         self._max_ended = max_ended
 
-    def _check_not_ended(self, req_id: str) -> None:
+    def check_not_ended(self, req_id: str) -> None:
+        """Raise how ``req_id`` ended (its error, or a 404 saying it was delivered) if it did."""
         if req_id in self._ended:
             error = self._ended[req_id]
             raise error if error is not None else UnknownRequestError(
@@ -116,7 +118,7 @@ class Rendezvous:
         ``/encode`` within ``timeout`` withdraws the destination (504); a part
         that has already ended answers how it ended.
         """
-        self._check_not_ended(req_id)
+        self.check_not_ended(req_id)
         entry = self._entry(req_id)
         if entry.receive_count is not None and entry.receive_count != receive_count:
             self._drop_if_unused(entry)
@@ -139,7 +141,7 @@ class Rendezvous:
     async def wait_sizes(self, req_id: str, *, timeout: float) -> dict[str, int]:
         """``/scheduler_receive_meta_data``: the part's sizes once known (504 after ``timeout``);
         its error if it failed first."""
-        self._check_not_ended(req_id)
+        self.check_not_ended(req_id)
         entry = self._entry(req_id)
         with self._waiting(entry):
             with trio.move_on_after(timeout):

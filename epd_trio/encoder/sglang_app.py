@@ -38,7 +38,7 @@ from epd_trio.encoder.app import access_control, add_shared_routes, bare_routes
 from epd_trio.encoder.asgi_route import BareRoutes, Handler
 from epd_trio.encoder.profiling import parse_profile_request
 from epd_trio.encoder.service import EncoderService
-from epd_trio.errors import EPDError, PayloadTooLargeError, error_body, http_status
+from epd_trio.errors import EPDError, PayloadTooLargeError, UnknownRequestError, error_body, http_status
 from epd_trio.protocol.requests import parse_json_body
 from epd_trio.protocol.sglang_requests import (
     parse_meta_request,
@@ -150,9 +150,13 @@ def _data_routes(service: EncoderService) -> dict[str, Handler]:
 
     async def send(body: dict[str, Any]) -> None:
         order = parse_sglang_send(body)
-        await service.send(order.req_id, order.part_idx, session=order.session,
-                           address=order.buffer_address, length=order.length,
-                           completion=order.completion, receive_count=order.receive_count)
+        try:
+            await service.send(order.req_id, order.part_idx, session=order.session,
+                               address=order.buffer_address, length=order.length,
+                               completion=order.completion, receive_count=order.receive_count)
+        except UnknownRequestError:  # released: say how it ended, as SGLang's error record does
+            service.deliveries.rendezvous.check_not_ended(order.req_id)
+            raise
 
     return {"/encode": encode_handler(service),
             "/scheduler_receive_url": _data_route(service, scheduler_receive_url),

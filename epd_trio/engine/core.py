@@ -360,6 +360,7 @@ async def _preprocess_pool(config: EngineConfig, encoder: LoadedEncoder,
         yield None
         return
     spec = PoolSpec(str(encoder.model_dir), limits, video_fps=config.video_fps,
-                    video_min_frames=config.video_min_frames, video_max_frames=config.video_max_frames)
+                    video_min_frames=config.video_min_frames, video_max_frames=config.video_max_frames,
+                    torch_threads=config.preprocess_threads)
     async with open_preprocess_pool(spec, config.preprocess_workers) as pool:
         yield pool

@@ -67,6 +67,7 @@ async def test_meta_then_send_per_rank_then_completion(
         "embedding_len": local.embedding.shape[0], "embedding_dim": local.embedding.shape[1]}
     assert [s.status_code for s in sends] == [200, 200] and sends[0].json() is None
     assert late.status_code == 404 and late.json()["status"] == "error"  # released after 2 ranks
+    assert "has already been delivered and released" in late.json()["message"]
     for i in range(2):
         landed = buffer[i * 65536:i * 65536 + nbytes].view(local.embedding.dtype)
         assert torch.equal(landed.view(local.embedding.shape), local.embedding)
@@ -94,8 +95,15 @@ async def test_a_failed_part_fails_its_meta_request(encoder: Any) -> None:
             await until(http, lambda s: s["sglang_rendezvous"]["waiters"] == 1)
             nursery.start_soon(post, "encode", "/encode",
                                encode_body("f", 0, 1, ["data:image/png;base64,AAAA"]))
+        # A rank's /send after the part failed hears why (SGLang's encoder keeps an error
+        # record for it), not just that the part is unknown.
+        late = await http.post("/send", json={
+            "req_id": "f_local_part_0", "part_idx": 0, "prefill_host": "127.0.0.1",
+            "embedding_port": 1, "session_id": "127.0.0.1:1", "buffer_address": 4096,
+            "embedding_size": 16, "receive_count": 1})
         after = await stats(http)
     assert answers["encode"].status_code == 400
     assert answers["meta"].status_code == 400
     assert answers["meta"].json()["message"] == answers["encode"].json()["message"]
+    assert late.status_code == 400 and late.json()["message"] == answers["encode"].json()["message"]
     assert after["live_requests"] == 0 and after["sglang_rendezvous"]["entries"] == 0
