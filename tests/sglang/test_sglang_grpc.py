@@ -145,12 +145,22 @@ def test_sglangs_own_zmq_to_scheduler_dispatch_fails_upstream(
         grpc_language_server: LanguageServer, encoders: dict[str, SharedEncoder],
         images: list[str]) -> None:
     """The upstream bug itself: SGLang 0.5.23's dispatch never reaches the encoder."""
+    before = encode_requests_seen(encoders["sched_a"])
     answer, tensors = grpc_language_server.request(
         backend="zmq_to_scheduler", dispatch="sglang", rid=rid(), urls=[encoders["sched_a"].grpc],
         items={"image": images[:1]}, model_type="qwen2_5_vl")
     ((message, status),) = answer["dispatch_errors"]
     assert "time_stats_json" in message and status == 502, answer
     assert [r["ok"] for r in answer["ranks"]] == [False] and tensors == {}
+    assert encode_requests_seen(encoders["sched_a"]) == before  # no Encode, not even a refused one
+
+
+def encode_requests_seen(encoder: SharedEncoder) -> float:
+    """Every request the encoder's faces have counted, refused ones too (``/metrics``)."""
+    with urllib.request.urlopen(encoder.http + "/metrics", timeout=10) as got:
+        lines = got.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+               if line.startswith("epd_encoder_requests_total{"))
 
 
 def test_an_encoder_error_reaches_the_dispatch_and_every_rank(
