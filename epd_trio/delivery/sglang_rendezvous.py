@@ -18,6 +18,7 @@ timeout or hearing only that the part is unknown.
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,7 +47,9 @@ class Entry:
     def __init__(self, req_id: str) -> None:
         self.req_id = req_id
         self.receive_count: int | None = None  # set by the first registration
-        self.destinations: dict[str, None] = {}  # an ordered set of "host:port"
+        # An ordered set of "host:port", with how many registrations wait on each (a rank's
+        # retry may register the same one again while its first call still waits).
+        self.destinations: dict[str, int] = {}
         self.claimed = False
         self.closed = False  # its delivery let go
         self.sizes: dict[str, int] | None = None
@@ -87,7 +90,7 @@ class Rendezvous:
         """Raise how ``req_id`` ended (its error, or a 404 saying it was delivered) if it did."""
         if req_id in self._ended:
             error = self._ended[req_id]
-            raise error if error is not None else UnknownRequestError(
+            raise _fresh(error) if error is not None else UnknownRequestError(
                 f"request {req_id!r} has already been delivered and released", req_id=req_id)
 
     def _entry(self, req_id: str) -> Entry:
@@ -125,16 +128,18 @@ class Rendezvous:
             raise RequestError(f"receive_count {receive_count} differs from the "
                                f"{entry.receive_count} registered before for {req_id!r}", req_id=req_id)
         entry.receive_count = receive_count
-        entry.destinations[destination] = None
+        entry.destinations[destination] = entry.destinations.get(destination, 0) + 1
         entry.notify()
         with self._waiting(entry):
-            with trio.move_on_after(timeout):
-                while not (entry.claimed or entry.closed):
-                    await entry.wait_changed()
-            if not (entry.claimed or entry.closed):
-                del entry.destinations[destination]
-                if not entry.destinations:
-                    entry.receive_count = None
+            try:
+                with trio.move_on_after(timeout):
+                    while not (entry.claimed or entry.closed):
+                        await entry.wait_changed()
+            finally:  # timed out, or the rank left (cancelled): nobody waits there any more
+                held = entry.claimed or entry.closed
+                if not held:
+                    self._withdraw(entry, destination)
+            if not held:
                 raise DeadlineExceeded(f"no /encode for {req_id!r} arrived within {timeout} s",
                                        req_id=req_id)
 
@@ -148,13 +153,24 @@ class Rendezvous:
                 while entry.sizes is None and entry.error is None and not entry.closed:
                     await entry.wait_changed()
         if entry.error is not None:
-            raise entry.error
+            raise _fresh(entry.error)
         if entry.sizes is None:
             if entry.closed:
                 raise UnknownRequestError(f"request {req_id!r} was released", req_id=req_id)
             raise DeadlineExceeded(f"the sizes of {req_id!r} were not known within {timeout} s",
                                    req_id=req_id)
         return entry.sizes
+
+    @staticmethod
+    def _withdraw(entry: Entry, destination: str) -> None:
+        """One registration of ``destination`` gave up; the last one takes it off the set."""
+        left = entry.destinations.get(destination, 0) - 1
+        if left > 0:
+            entry.destinations[destination] = left
+        else:
+            entry.destinations.pop(destination, None)
+        if not entry.destinations:
+            entry.receive_count = None
 
     # ---- the delivery's side --------------------------------------------------
     def claim(self, req_id: str) -> Entry:
@@ -192,3 +208,9 @@ class Rendezvous:
         s = self.statistics()
         return (f"<Rendezvous {s.entries} entries, {s.claimed} claimed, {s.waiters} waiting, "
                 f"{s.destinations} destinations>")
+
+
+def _fresh(error: EPDError) -> EPDError:
+    """A copy to raise: one stored error raised again and again would grow its traceback by
+    every raise (keeping each caller's frames alive) for as long as the table remembers it."""
+    return copy.copy(error)

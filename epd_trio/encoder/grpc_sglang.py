@@ -25,7 +25,7 @@ from smg_grpc_proto import sglang_encoder_pb2_grpc as pb_grpc
 from epd_trio._http import BearerAuth
 from epd_trio.encoder.grpc_bridge import Call, TrioBridge, unary
 from epd_trio.encoder.service import EncoderService
-from epd_trio.errors import ConflictError, RequestError, UnknownRequestError
+from epd_trio.errors import ConflictError, EPDError, RequestError, UnknownRequestError
 from epd_trio.protocol.grpc_messages import sglang_encode_body
 from epd_trio.protocol.sglang_requests import parse_receive_url, parse_sglang_encode, parse_sglang_send
 
@@ -41,8 +41,12 @@ class _SGLang:
     async def encode(self, message: Any, call: Call) -> Any:
         config = self.service.config
         backend = config.encoder_transfer_backend
-        request = parse_sglang_encode(sglang_encode_body(message, backend), backend=backend,
-                                      max_items=config.max_items)
+        try:
+            request = parse_sglang_encode(sglang_encode_body(message, backend), backend=backend,
+                                          max_items=config.max_items)
+        except EPDError as exc:
+            self.service.metrics.request("unknown", exc)  # counted as every face counts a refusal
+            raise
         answer = await self.service.encode(request, deadline=call.request_deadline)
         if answer.nbytes is None:
             return pb.EncodeResponse()  # every destination has the part

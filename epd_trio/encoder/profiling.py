@@ -101,7 +101,10 @@ class Profiler:
         if self._profile is not None or self._stopping:
             raise ConflictError("a profile is already running (POST /stop_profile first)")
         target = self.resolve(output_dir)
-        target.mkdir(parents=True, exist_ok=True)
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a name too long, a file in the way: the caller's 'output_dir'
+            raise RequestError(f"'output_dir' cannot be used as a directory ({exc.strerror or exc})") from None
         profile = _new_profile()
         profile.start()
         self._profile, self._target = profile, target

@@ -134,7 +134,10 @@ class EncoderService:
         try:
             return await scope.wait_answer()  # bounded: the scope has the request deadline
         finally:
-            if not scope.answered:  # our client left (disconnect) or we were cancelled
+            # Our client left (a disconnect) or we were cancelled: an abort — unless the
+            # scope's own deadline has come too (a gRPC caller's deadline is the scope's; both
+            # fire in one pass), which the scope reports itself as DeadlineExceeded.
+            if not scope.answered and trio.current_time() < scope.cancel_scope.deadline:
                 scope.abort(AbortedError("the client went away", req_id=request.req_id))
 
     async def send(self, req_id: str, part_idx: int, *, session: str, address: int, length: int,

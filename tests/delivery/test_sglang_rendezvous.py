@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import traceback
+
 import pytest
 import trio
 import trio.testing
@@ -106,3 +108,56 @@ async def test_late_callers_hear_how_the_part_ended_at_once(clock: trio.testing.
     assert table.statistics().ended == 2
     with pytest.raises(DeadlineExceeded):
         await table.register("failed", 1, "h:1", timeout=5)
+
+
+async def test_a_retried_registration_keeps_its_destination_until_the_last_call_leaves(
+        clock: trio.testing.MockClock) -> None:
+    table = Rendezvous()
+    outcomes: list[str] = []
+
+    async def register(timeout: float, req_id: str = "r") -> None:
+        try:
+            await table.register(req_id, 1, "h:1", timeout=timeout)
+            outcomes.append("held")
+        except DeadlineExceeded:
+            outcomes.append("504")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(register, 5.0)
+        await trio.sleep(1)
+        nursery.start_soon(register, 10.0)  # the rank's retry, same destination, first still waiting
+        await trio.sleep(6)  # the first call has timed out; the retry still waits
+        assert outcomes == ["504"] and table.statistics().destinations == 1
+        entry = table.claim("r")
+    assert outcomes == ["504", "held"]
+    assert entry.destinations == {"h:1": 1} and entry.receive_count == 1  # the retry's, not lost
+    table.release(entry)
+    async with trio.open_nursery() as nursery:  # both time out: each withdraws its own, no KeyError
+        nursery.start_soon(register, 2.0, "s")
+        nursery.start_soon(register, 3.0, "s")
+    assert outcomes[2:] == ["504", "504"] and table.statistics().entries == 0
+
+
+async def test_a_rank_that_leaves_takes_its_destination_with_it(clock: trio.testing.MockClock) -> None:
+    table = Rendezvous()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: table.register("r", 2, "stays:1", timeout=100))
+        with trio.move_on_after(2):  # this rank's HTTP client went away
+            await table.register("r", 2, "left:2", timeout=100)
+        entry = table.claim("r")
+    assert list(entry.destinations) == ["stays:1"]  # never sent to the rank that left
+    table.release(entry)
+
+
+async def test_a_remembered_error_is_raised_afresh_each_time(clock: trio.testing.MockClock) -> None:
+    table = Rendezvous()
+    failed = table.claim("f")
+    failed.publish_error(EncodeError("boom"))
+    table.release(failed)
+    depths = []
+    for _ in range(3):
+        with pytest.raises(EncodeError, match="boom") as info:
+            await table.register("f", 1, "h:1", timeout=1)
+        depths.append(len(traceback.extract_tb(info.value.__traceback__)))
+        assert info.value is not failed.error and info.value.status_code == failed.error.status_code
+    assert depths[0] == depths[1] == depths[2]  # a stored error re-raised would grow each time

@@ -47,3 +47,26 @@ async def test_a_fault_at_send_fails_the_request_and_still_tells_the_receiver(
             header, _ = await pull.receive()
             await service.registry.wait_idle()
         assert (header.req_id, header.kind, plan.hits) == ("clean", "embedding", {"send": 1, "release": 1})
+
+
+async def test_a_callers_deadline_that_is_the_scopes_counts_as_a_deadline_not_an_abort(
+        encoder: Any) -> None:
+    """A gRPC caller's deadline is also the scope's: both expire in one scheduler pass, in
+    either order. Whichever task runs first, the request failed on its deadline (504 to its
+    receivers), it was not aborted."""
+    async with encoder() as (server, _):
+        service = server.service
+        install_faults(FaultPlan(0, [Fault("preprocess", delay=60.0)]), service.engine)  # never in time
+        runs = 16  # the order is random: all 16 one way by chance is ~1 in 65 000
+        for i in range(runs):
+            deadline = trio.current_time() + 0.02
+            with trio.CancelScope(deadline=deadline):
+                await service.encode(parse_encode_request(
+                    {"req_id": f"d{i}", "modality": "image", "mm_items": [image_uri()]}),
+                    deadline=deadline)
+            with trio.fail_after(10):
+                await service.registry.wait_idle()
+        stats = service.registry.statistics()
+        assert (stats.failed, stats.aborted) == (runs, 0), stats
+        metrics = service.metrics.exposition().decode()
+        assert f'outcome="DeadlineExceeded"}} {float(runs)}' in metrics, metrics

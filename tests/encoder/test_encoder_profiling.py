@@ -42,3 +42,16 @@ async def test_a_profile_that_cannot_stop_by_itself_does_not_take_the_service_do
         profiler.start()  # a new one may start
         profiler.close()  # shutdown with a stop that fails: logged, not raised
     assert not profiler.running and profiler.statistics().traces_written == 0
+
+
+@pytest.mark.parametrize("output_dir", ["x" * 300, "a-file", "a-file/below"])
+async def test_an_output_dir_that_cannot_be_a_directory_is_a_400(tmp_path: Path, output_dir: str) -> None:
+    from epd_trio.errors import RequestError
+
+    (tmp_path / "a-file").write_text("an earlier trace")
+    async with trio.open_nursery() as nursery:
+        profiler = Profiler(str(tmp_path), nursery)
+        with pytest.raises(RequestError, match="'output_dir' cannot be used as a directory") as info:
+            profiler.start(output_dir)
+        assert info.value.status_code == 400 and not profiler.running
+        assert str(tmp_path) not in info.value.message  # the caller's words, not our paths

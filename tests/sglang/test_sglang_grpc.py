@@ -236,9 +236,13 @@ async def test_invalid_requests_get_sglangs_messages(encoder: Any) -> None:
                                           prefill_host="127.0.0.1",
                                           mm_items=[image, "data:video/mp4;base64,AAAA", image]))
         after = await stats(http)
+        metrics = (await http.get("/metrics")).text
     details = failed(mixed, grpc.StatusCode.INVALID_ARGUMENT)
     assert details.startswith("mm_items mix modalities (image: items 0, 2; video: item 1)")
     assert after["live_requests"] == 0
+    # every refusal is counted, as HTTP counts its own (modality unknown: not to be trusted)
+    assert f'epd_encoder_requests_total{{modality="unknown",outcome="RequestError"}} {len(cases) + 1.0}' \
+        in metrics, metrics
 
 
 async def test_an_encoder_failure_is_a_status_and_an_error_frame(
