@@ -193,7 +193,8 @@ class EncoderService:
             with scope.cancel_scope:  # the request deadline; /abort, a client gone, drain
                 output = await self.engine.encode(request.mm_items, request.modality,
                                                   hashes=request.hashes, on_preprocessed=preprocessed)
-                self.health.batch_completed()
+                if output.forwarded:  # a cache hit proves nothing about the device
+                    self.health.batch_completed()
                 scope.advance(Phase.ENCODED)
                 sending = trio.current_time()
                 answer = await delivery.deliver(output.embedding, _meta(

@@ -39,6 +39,9 @@ class EncodeOutput:
     # Per-item values the language side needs (each list has one entry per
     # item), e.g. ``second_per_grid_ts`` for Qwen2.5-VL videos; often empty.
     extras: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+    # False when the cache held every item: no forward ran (the health check must not take a
+    # cache hit for proof that the device completes batches).
+    forwarded: bool = True
 
     def item(self, index: int) -> Any:
         """The rows of item ``index`` (a view, no copy)."""
@@ -131,7 +134,8 @@ class CachePlan:
         parts = _item_parts(self.entries, pre)
         return EncodeOutput(self.modality, _join_rows(self.entries, pre, embedding),
                             [p.token_count for p in parts],
-                            [p.grid_thw for p in parts if p.grid_thw is not None], _join_extras(parts))
+                            [p.grid_thw for p in parts if p.grid_thw is not None], _join_extras(parts),
+                            forwarded=pre is not None)
 
     def _store_misses(self, pre: PreprocessResult, embedding: Any) -> None:
         """``embedding`` holds the misses' rows, in their order."""

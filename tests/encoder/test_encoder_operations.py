@@ -95,6 +95,20 @@ async def test_wire_hashes_hit_the_cache_and_probes_do_not(encoder: Any) -> None
     assert (cache["hits"], cache["misses"], cache["entries"]) == (1, 1, 1)
 
 
+async def test_a_cache_hit_is_no_proof_that_batches_complete(encoder: Any) -> None:
+    """/health skips its probe only while real forwards complete: a device that hangs while the
+    cache answers must still be probed."""
+    image = png_bytes(84, 56, seed=6)
+    async with encoder(cache_mb=8, health_fresh=1.0) as (_, http):
+        assert (await http.post("/encode", json=body("m", image, hashes=["img-6"]))).status_code == 200
+        assert (await http.get("/health")).json()["probed"] is False  # a forward just completed
+        await trio.sleep(1.2)
+        assert (await http.post("/encode", json=body("h", image, hashes=["img-6"]))).status_code == 200
+        health = (await http.get("/health")).json()
+        assert (await stats(http))["cache"]["hits"] == 1
+    assert health["probed"] is True, health
+
+
 async def test_metrics_parse_and_move_as_requests_flow(encoder: Any) -> None:
     async with encoder(cache_mb=8) as (_, http):
         before = await scrape(http)
