@@ -298,6 +298,8 @@ class ClientConfig:
     timeout: float = _opt(60.0, "seconds one encode may take end to end, pool wait included (→ EncodeTimeout)")
     connect_timeout: float = _opt(5.0, "seconds to connect to an encoder before trying another one")
     abort_timeout: float = _opt(2.0, "seconds the best-effort /abort of a failed request's other parts may take")
+    abort_hold: float = _opt(180.0, "seconds a failed Mooncake request's pool slot stays held when an "
+                             "encoder did not confirm its /abort (a late write may still land there)")
     pool_bytes: int = _opt(1 << 30, "bytes of the host embedding pool (one buffer, allocated at start)")
     bootstrap_url: str | None = _opt(None, "a bootstrap registry to discover encoders from "
                                      "(merged with encoder_urls)")
@@ -313,7 +315,7 @@ class ClientConfig:
     mooncake_device: str = _opt("", "Mooncake RDMA device names (e.g. mlx5_0), empty for tcp")
 
     def __post_init__(self) -> None:
-        for name in ("timeout", "connect_timeout", "abort_timeout", "refresh_interval",
+        for name in ("timeout", "connect_timeout", "abort_timeout", "abort_hold", "refresh_interval",
                      "registry_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

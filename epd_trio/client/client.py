@@ -30,6 +30,7 @@ and ``demux.hand_off`` (``demux``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import uuid
 from collections.abc import Mapping, Sequence
 from contextlib import AsyncExitStack
@@ -87,6 +88,8 @@ __all__ = [
     "open_encoder_client",
 ]
 
+log = logging.getLogger(__name__)
+
 # Copying this much (~2 ms at memcpy speed) is worth a thread hop off the trio loop.
 _COPY_IN_THREAD_BYTES: Final = 16 << 20
 
@@ -131,6 +134,8 @@ class EncoderClient:
         self._requests: dict[str, LiveRequest] = {}
         self._done = 0
         self._failed = 0
+        self._slots_held = 0  # Mooncake slots held after an unconfirmed /abort (see abort_hold)
+        self._nursery: trio.Nursery | None = None
         self.metrics = ClientMetrics(self.statistics)
 
     @property
@@ -158,7 +163,7 @@ class EncoderClient:
             self._http = http = await self._stack.enter_async_context(
                 httpx.AsyncClient(timeout=timeout, transport=self._transport))
             self._calls = EncoderCalls(http, await self._stack.enter_async_context(self.grpc))
-            nursery = await self._stack.enter_async_context(trio.open_nursery())
+            self._nursery = nursery = await self._stack.enter_async_context(trio.open_nursery())
             if pull is not None:
                 nursery.start_soon(self.demux.run, pull)
             if self.discovery is not None:
@@ -220,16 +225,35 @@ class EncoderClient:
                                 req_id=req.req_id)
         except BaseException:
             self._failed += 1
+            confirmed = False
             try:
                 if self._calls is not None:
-                    await self.router.abort(self._calls, req, self.config.abort_timeout)
+                    confirmed = await self.router.abort(self._calls, req, self.config.abort_timeout)
             finally:
                 # Only now: an encoder may write into the slot until it hears of the abort.
                 if req.slot is not None:
-                    req.slot.release()
+                    self._release_after_abort(req, req.slot, confirmed)
             raise
         finally:
             self._unregister(req)
+
+    def _release_after_abort(self, req: LiveRequest, slot: Any, confirmed: bool) -> None:
+        """Free a failed request's slot, unless a Mooncake encoder that did not confirm its
+        abort may still write into it: then hold it for ``abort_hold`` seconds first (the
+        pool never hands out memory a late write could land in)."""
+        if confirmed or self.mooncake is None or self._nursery is None:
+            slot.release()
+            return
+        self._slots_held += 1
+        log.warning("request %s: an encoder did not confirm its /abort; its pool slot is held "
+                    "%g s in case a Mooncake write still lands there", req.req_id, self.config.abort_hold)
+        self._nursery.start_soon(self._hold_then_release, slot)
+
+    async def _hold_then_release(self, slot: Any) -> None:
+        try:
+            await trio.sleep(self.config.abort_hold)
+        finally:  # the client closing ends the hold: its registered memory goes with it
+            slot.release()
 
     def statistics(self) -> ClientStatistics:
         routed, demux = self.router.statistics(), self.demux.statistics()
@@ -242,6 +266,7 @@ class EncoderClient:
             aborts_failed=routed.aborts_failed,
             refresh_failures=self.discovery.statistics().refresh_failures
             if self.discovery is not None else 0,
+            slots_held_after_abort=self._slots_held,
             pool=self.pool.statistics(),
             mooncake=self.mooncake.statistics() if self.mooncake is not None else None,
         )

@@ -105,18 +105,25 @@ class Router:
                                       f" {req.req_id}: {type(exc).__name__}: {exc}",
                                       req_id=req.req_id) from None
 
-    async def abort(self, calls: EncoderCalls, req: LiveRequest, timeout: float) -> None:
-        """Tell encoders to drop the parts they may still work on (best effort, shielded)."""
+    async def abort(self, calls: EncoderCalls, req: LiveRequest, timeout: float) -> bool:
+        """Tell encoders to drop the parts they may still work on (best effort, shielded).
+
+        True when every such encoder confirmed (or there was none): none of them will
+        touch the request's memory any more.
+        """
         targets = [s for s in req.parts if s.posted and not s.answered]
         if not targets:
-            return
+            return True
+        confirmed: list[PartState] = []
         with trio.CancelScope(shield=True) as scope:
             scope.deadline = trio.current_time() + timeout
             async with trio.open_nursery() as nursery:
                 for state in targets:
-                    nursery.start_soon(self._abort_one, calls, req.req_id, state)
+                    nursery.start_soon(self._abort_one, calls, req.req_id, state, confirmed)
+        return len(confirmed) == len(targets)
 
-    async def _abort_one(self, calls: EncoderCalls, req_id: str, state: PartState) -> None:
+    async def _abort_one(self, calls: EncoderCalls, req_id: str, state: PartState,
+                         confirmed: list[PartState]) -> None:
         body = {"req_id": req_id, "part_idx": state.part.part_idx}
         try:
             response = await calls.post(state.encoder_url, "/abort", body)
@@ -127,6 +134,7 @@ class Router:
             return
         if response.status_code in (200, 404):  # 404: the encoder had already finished with it
             self._aborts_sent += 1
+            confirmed.append(state)
         else:
             self._aborts_failed += 1
 

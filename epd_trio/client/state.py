@@ -40,6 +40,7 @@ class ClientStatistics:
     refresh_failures: int  # registry queries that failed (the last list was kept)
     pool: PoolStatistics
     mooncake: MooncakeStatistics | None  # the transfer engine, with transfer_backend="mooncake"
+    slots_held_after_abort: int = 0  # Mooncake slots held abort_hold s: an /abort went unconfirmed
 
 
 @dataclass(eq=False)

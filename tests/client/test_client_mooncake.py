@@ -63,9 +63,11 @@ def encoder_urls(qwen25_path: str) -> Iterator[list[str]]:
             log.close()
 
 
-def mooncake_client(urls: list[str], **config: Any) -> EncoderClient:
+def mooncake_client(urls: list[str], http_transport: httpx.AsyncBaseTransport | None = None,
+                    **config: Any) -> EncoderClient:
     config.setdefault("pool_bytes", 1 << 20)
-    return open_encoder_client(encoder_urls=urls, transfer_backend="mooncake", **config)
+    return open_encoder_client(encoder_urls=urls, transfer_backend="mooncake",
+                               http_transport=http_transport, **config)
 
 
 def assert_clean(client: EncoderClient) -> None:
@@ -228,6 +230,41 @@ async def test_a_failed_write_fails_the_request_and_releases_both_sides(
         assert info.value.status_code >= 500, info.value
         assert_clean(client)
         await wait_encoders_released(encoder_urls)
+
+
+class Partitioned(httpx.AsyncBaseTransport):
+    """The real network, but /send never gets through and /abort cannot reach the encoder:
+    the failure that leaves the client unsure whether a write may still land."""
+
+    def __init__(self) -> None:
+        self.real = httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/send":
+            await trio.sleep_forever()  # until the caller gives up
+        if request.url.path == "/abort":
+            raise httpx.ConnectError("injected: the encoder cannot be reached", request=request)
+        return await self.real.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.real.aclose()
+
+
+async def test_an_unconfirmed_abort_holds_the_slot_before_the_pool_reuses_it(
+        encoder_urls: list[str]) -> None:
+    async with mooncake_client(encoder_urls[:1], http_transport=Partitioned(), abort_hold=1.0) as client:
+        with pytest.raises(EncodeTimeout):
+            await client.encode({"image": IMAGES[:1]}, req_id="held", timeout=3.0)
+        held = client.statistics()
+        assert held.slots_held_after_abort == 1 and held.aborts_failed == 1, held
+        assert held.pool.slots == 1 and held.pool.used_bytes > 0  # not handed to the next request
+        with trio.fail_after(10):
+            while client.pool.statistics().slots:
+                await trio.sleep(0.05)
+        assert_clean(client)
+    async with httpx.AsyncClient(timeout=5) as http:  # the encoder still waits for that /send
+        assert (await http.post(f"{encoder_urls[0]}/abort", json={"req_id": "held"})).status_code == 200
+    await wait_encoders_released(encoder_urls)
 
 
 async def test_without_the_package_the_client_says_what_to_install(
