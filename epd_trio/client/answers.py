@@ -43,6 +43,7 @@ __all__ = [
     "check_sent",
     "grpc_failure",
     "http_error",
+    "json_of",
     "parse_meta",
     "parse_sized_meta",
     "zmq_error",
@@ -73,6 +74,15 @@ class Answer(Protocol):
     @property
     def text(self) -> str: ...
     def json(self) -> Any: ...
+
+
+def json_of(response: Answer) -> Any:
+    """A peer's JSON answer; ``ValueError`` for all that is not JSON we can take, nesting too
+    deep for the parser included (a ``RecursionError`` would escape every caller's checks)."""
+    try:
+        return response.json()
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 class EncoderUnreachable(PeerUnavailable):
@@ -116,7 +126,7 @@ def http_error(response: Answer, req_id: str, encoder_url: str,
     """The encoder's JSON error body as an exception (or what text there was)."""
     error_type, message = "HTTPError", response.text[:500]
     try:
-        error = response.json()["error"]
+        error = json_of(response)["error"]
         error_type, message = str(error["type"])[:128], str(error["message"])[:MAX_ERROR_MESSAGE]
     except (ValueError, KeyError, TypeError):
         pass
@@ -145,7 +155,7 @@ def parse_sized_meta(response: Answer, req_id: str, part_idx: int, num_parts: in
                      sized: bool = True) -> tuple[EncodeMeta, int]:
     """A 200 Mooncake ``/encode`` answer: the meta and its ``nbytes`` (-1 when not ``sized``)."""
     try:
-        body = response.json()
+        body = json_of(response)
         meta = EncodeMeta(**{name: body[name] for name in _META_FIELDS},
                           extras=validate_extras(body.get("extras", {}), len(body["token_counts"])))
         nbytes = body["nbytes"] if sized else -1
@@ -207,7 +217,7 @@ def check_sent(response: Answer, req_id: str, part_idx: int, nbytes: int,
                encoder_url: str) -> None:
     """A 200 ``/send`` answer must say it wrote exactly the reserved bytes for that part."""
     try:
-        body = response.json()
+        body = json_of(response)
         got = (body["req_id"], body.get("part_idx", 0), body["nbytes"])
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ProtocolError(f"bad /send answer for part {part_idx}: {exc!r:.200}",

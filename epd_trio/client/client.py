@@ -282,7 +282,7 @@ class EncoderClient:
     # ---- one request --------------------------------------------------------
     def _register(self, req_id: str | None, wire: dict[str, list[str]]) -> LiveRequest:
         """Plan the parts and make them findable by the demultiplexer (synchronously)."""
-        self._require_open()  # the client may have closed while the items were converted
+        self._still_open()  # the client may have closed while the items were converted
         if not self.router.encoders:
             raise PeerUnavailable("no encoder is available (no static URL, none healthy in the registry)")
         req_id = f"epd-{uuid.uuid4().hex}" if req_id is None else req_id
@@ -339,7 +339,7 @@ class EncoderClient:
         described = [state.described for state in req.parts]
         layouts, nbytes = plan_layout(described)  # type: ignore[arg-type]
         req.slot = slot = await self.pool.acquire(nbytes)
-        await write_parts(self._require_open(), req, slot, layouts, session, self.router.settle)
+        await write_parts(self._still_open(), req, slot, layouts, session, self.router.settle)
         if req.failure is not None:
             raise req.failure
         req.slot = None  # the result owns it now
@@ -386,7 +386,7 @@ class EncoderClient:
 
     async def _post(self, req: LiveRequest, state: PartState) -> Answer:
         """/encode through the router; its 200 answer, else the encoder's error."""
-        part, calls = state.part, self._require_open()
+        part, calls = state.part, self._still_open()
         deliver = {"backend": self.config.transfer_backend}
         if self.config.transfer_backend == "zmq":
             deliver["endpoint"] = self.endpoint
@@ -401,6 +401,13 @@ class EncoderClient:
         if response.status_code != 200:
             raise http_error(response, req.req_id, state.encoder_url, part.part_idx)
         return response
+
+    def _still_open(self) -> EncoderCalls:
+        """``_require_open`` for a request already under way: a close aborts it, as it
+        aborts the requests it finds registered."""
+        if self._closed:
+            raise AbortedError("the encoder client was closed")
+        return self._require_open()
 
     def _require_open(self) -> EncoderCalls:
         if self._closed:

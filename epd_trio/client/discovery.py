@@ -17,6 +17,7 @@ import httpx
 import trio
 from trio_util import periodic
 
+from epd_trio.client.answers import json_of
 from epd_trio.protocol.urls import normalize_url
 from epd_trio.errors import (
     PeerUnavailable,
@@ -115,7 +116,7 @@ async def fetch_encoder_urls(http: httpx.AsyncClient, bootstrap_url: str, timeou
 
 def _parse_list(response: httpx.Response, base: str) -> list[str]:
     try:
-        body = response.json()
+        body = json_of(response)
     except ValueError:
         raise ProtocolError(f"registry {base} answered something that is not JSON") from None
     urls = body.get("encoder_urls") if isinstance(body, dict) else None

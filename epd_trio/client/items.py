@@ -27,6 +27,21 @@ Item: TypeAlias = "bytes | bytearray | memoryview | str | Image.Image"
 _HEAVY_BYTES: Final = 1 << 20
 
 
+# The modes PNG stores as they are; any other (CMYK, YCbCr, HSV, LAB, F, ...) is sent as RGB,
+# which is what the models' processors convert every image to anyway.
+_PNG_MODES: Final = frozenset({"1", "L", "LA", "I", "I;16", "P", "RGB", "RGBA"})
+
+
+def _png(image: Image.Image, modality: str, index: int) -> bytes:
+    buf = io.BytesIO()
+    try:
+        (image if image.mode in _PNG_MODES else image.convert("RGB")).save(buf, format="PNG")
+    except (OSError, ValueError) as exc:  # a truncated or unreadable image behind the object
+        raise RequestError(f"{modality} item {index}: the PIL image cannot be encoded as PNG "
+                           f"({exc})") from None
+    return buf.getvalue()
+
+
 def to_wire_item(item: object, modality: str, index: int) -> str:
     """One item as a string for ``mm_items``; ``RequestError`` for other types."""
     if isinstance(item, str):
@@ -36,9 +51,7 @@ def to_wire_item(item: object, modality: str, index: int) -> str:
     if isinstance(item, (bytes, bytearray, memoryview)):
         return _data_uri(bytes(item), "application/octet-stream")
     if isinstance(item, Image.Image):
-        buf = io.BytesIO()
-        item.save(buf, format="PNG")
-        return _data_uri(buf.getvalue(), "image/png")
+        return _data_uri(_png(item, modality, index), "image/png")
     raise RequestError(
         f"{modality} item {index}: expected bytes, a data:/http(s) URL string or a PIL image,"
         f" got {type(item).__name__}")

@@ -86,7 +86,7 @@ def meta_from_message(message: pb.EncodeMeta) -> EncodeMeta:
     """The inverse of ``meta_message`` (a client's view of an answer)."""
     try:
         extras = json.loads(message.extras_json) if message.extras_json else {}
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise RequestError(f"extras_json is not JSON: {exc}") from None
     return EncodeMeta(
         req_id=message.req_id, part_idx=message.part_idx, num_parts=message.num_parts,

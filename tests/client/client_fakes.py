@@ -12,6 +12,7 @@ import base64
 import json
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import torch
@@ -38,11 +39,16 @@ class Behaviour:
     answer · down: refuse the connection · bad_meta: like ok, but the 200
     answer's token count is off by one · twice: like ok, then push a second,
     different message for the same part, await ``FakeEncoders.before_answer``
-    (the test's proof that both arrived while the part was live), then answer.
+    (the test's proof that both arrived while the part was live), then answer ·
+    deep_json: answer with ``status`` and a body nested deeper than any JSON parser goes.
     """
 
     kind: str = "ok"
     error: EPDError = field(default_factory=lambda: RequestError("item 0: cannot decode"))
+    status: int = 200
+
+
+DEEP_JSON = b"[" * 200_000 + b"]" * 200_000  # valid JSON; the parsers give up (RecursionError)
 
 
 def item_bytes(n: int) -> bytes:
@@ -117,6 +123,9 @@ class FakeEncoders:
         rid, idx, n, modality = body["req_id"], body["part_idx"], body["num_parts"], body["modality"]
         if behaviour.kind == "hang":
             await trio.sleep_forever()
+        if behaviour.kind == "deep_json":
+            return httpx.Response(behaviour.status, content=DEEP_JSON,
+                                  headers={"content-type": "application/json"})
         if behaviour.kind == "error":
             return httpx.Response(http_status(behaviour.error), json=error_body(behaviour.error, rid))
         if behaviour.kind == "zmq_error":

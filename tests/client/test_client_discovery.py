@@ -18,13 +18,14 @@ class FakeRegistry:
 
     def __init__(self, urls: list[str]) -> None:
         self.urls, self.down, self.calls = urls, False, []
+        self.body: bytes | None = None  # answered as it is, when set
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         self.calls.append(trio.current_time())
         if self.down:
             raise httpx.ConnectError("registry down")
         assert request.url.path == "/list_encoder_urls"
-        return httpx.Response(200, content=json.dumps({"encoder_urls": self.urls}))
+        return httpx.Response(200, content=self.body or json.dumps({"encoder_urls": self.urls}).encode())
 
 
 async def test_list_is_merged_refreshed_and_kept_through_outages(autojump_clock: trio.testing.MockClock) -> None:
@@ -54,3 +55,13 @@ async def test_every_encoder_gone_fails_fast(autojump_clock: trio.testing.MockCl
         with pytest.raises(PeerUnavailable, match="no encoder is available"):
             await client.encode({"image": [b"x"]})
         assert trio.current_time() == t0
+
+
+async def test_an_answer_nested_past_the_parser_keeps_the_last_list(
+        autojump_clock: trio.testing.MockClock) -> None:
+    reg = FakeRegistry(["http://e1:1"])
+    async with open_encoder_client(bootstrap_url="http://reg:8997", refresh_interval=5.0,
+                                   http_transport=httpx.MockTransport(reg.handler)) as client:
+        reg.body = b"[" * 200_000 + b"]" * 200_000
+        await trio.sleep(5.5)  # one refresh: a failure, not the end of the client
+        assert client.encoders == ("http://e1:1",) and client.statistics().refresh_failures == 1

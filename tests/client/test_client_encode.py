@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,12 +18,14 @@ from PIL import Image
 
 from client_fakes import DIM, Behaviour, FakeEncoders, decode_item, expected, extras_of, item_bytes
 from epd_trio.client import ClientConfig, EncoderClient, RemoteEncodeError, open_encoder_client
+from epd_trio.client.items import to_wire_item
 from epd_trio.client.client import advertised_endpoint
 from epd_trio.errors import (
     AbortedError,
     DeadlineExceeded,
     DuplicateRequestError,
     EncodeError,
+    EPDError,
     EncodeTimeout,
     NotReadyError,
     PayloadTooLargeError,
@@ -314,6 +317,35 @@ async def test_a_message_that_disagrees_with_the_http_answer_is_a_protocol_error
         assert_clean(client)
 
 
+@pytest.mark.parametrize("status", [200, 500])
+async def test_an_answer_nested_past_the_parser_is_a_protocol_error(make: Callable, status: int) -> None:
+    fakes, client = make({E0: Behaviour("deep_json", status=status)})
+    async with client:
+        with pytest.raises(EPDError) as info:  # not a RecursionError in an ExceptionGroup
+            await client.encode({"image": images(2)})
+        assert_clean(client)
+    assert isinstance(info.value, ProtocolError if status == 200 else RemoteEncodeError), info.value
+    if status == 500:
+        assert info.value.status_code == 500 and info.value.error_type == "HTTPError"
+
+
+@pytest.mark.parametrize("mode", ["CMYK", "YCbCr", "HSV", "LAB", "F"])
+def test_pil_images_in_modes_png_cannot_store_go_as_rgb(mode: str) -> None:
+    image = Image.new("RGB", (4, 3), (250, 10, 20)).convert(mode) if mode != "F" else Image.new("F", (4, 3), 7.5)
+    sent = Image.open(io.BytesIO(decode_item(to_wire_item(image, "image", 0))))
+    assert sent.mode == "RGB" and sent.size == (4, 3)
+    assert sent.getpixel((1, 1)) == image.convert("RGB").getpixel((1, 1))  # as the processors would see it
+
+
+def test_a_pil_image_that_cannot_be_read_is_a_request_error(tmp_path: Path) -> None:
+    path = tmp_path / "cut.png"
+    whole = io.BytesIO()
+    Image.new("RGB", (64, 64), (1, 2, 3)).save(whole, format="PNG")
+    path.write_bytes(whole.getvalue()[:80])  # the header, then nothing: PIL opens it lazily
+    with Image.open(path) as image, pytest.raises(RequestError, match="image item 2: the PIL image cannot"):
+        to_wire_item(image, "image", 2)
+
+
 async def test_items_become_data_uris_and_bad_items_are_refused(make: Callable) -> None:
     fakes, client = make({E0: Behaviour()})
     image = Image.new("RGB", (3, 2), (250, 10, 20))
@@ -369,6 +401,40 @@ async def test_closing_the_client_fails_requests_in_flight(make: Callable) -> No
     assert_clean(client)
     with pytest.raises(trio.ClosedResourceError):
         await client.encode({"image": images(1)})
+
+
+async def test_a_close_while_items_convert_aborts_that_request_too(
+        make: Callable, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from epd_trio.client import client as client_module
+
+    converting, go_on = threading.Event(), threading.Event()
+    real = client_module.to_wire_items
+
+    def slow(items: object) -> object:  # the thread-run PNG/base64 work of large items
+        converting.set()
+        go_on.wait(10)
+        return real(items)
+
+    monkeypatch.setattr(client_module, "to_wire_items", slow)
+    monkeypatch.setattr(client_module, "is_heavy", lambda items: True)
+    _, client = make()
+    caught: list[BaseException] = []
+
+    async def run() -> None:
+        try:
+            await client.encode({"image": images(1)})
+        except BaseException as exc:  # noqa: BLE001 (what reaches the caller is the test)
+            caught.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        async with client:
+            nursery.start_soon(run)
+            await trio.to_thread.run_sync(converting.wait, 10)
+        go_on.set()  # the client is closed now; the conversion ends after it
+    assert len(caught) == 1 and isinstance(caught[0], AbortedError), caught
+    assert "closed" in caught[0].message
 
 
 async def test_statistics_repr_and_endpoint(make: Callable) -> None:
