@@ -56,7 +56,7 @@ from epd_trio.client.inplace import open_registered_engine, write_parts
 from epd_trio.client.items import is_heavy, to_wire_items
 from epd_trio.client.grpc_channel import GrpcChannels
 from epd_trio.client.metrics import ClientMetrics
-from epd_trio.client.pool import EmbeddingPool
+from epd_trio.client.pool import EmbeddingPool, Slot
 from epd_trio.client.result import (
     EncodedRequest,
     PartReport,
@@ -237,7 +237,7 @@ class EncoderClient:
         finally:
             self._unregister(req)
 
-    def _release_after_abort(self, req: LiveRequest, slot: Any, confirmed: bool) -> None:
+    def _release_after_abort(self, req: LiveRequest, slot: Slot, confirmed: bool) -> None:
         """Free a failed request's slot, unless a Mooncake encoder that did not confirm its
         abort may still write into it: then hold it for ``abort_hold`` seconds first (the
         pool never hands out memory a late write could land in)."""
@@ -249,7 +249,7 @@ class EncoderClient:
                     "%g s in case a Mooncake write still lands there", req.req_id, self.config.abort_hold)
         self._nursery.start_soon(self._hold_then_release, slot)
 
-    async def _hold_then_release(self, slot: Any) -> None:
+    async def _hold_then_release(self, slot: Slot) -> None:
         try:
             await trio.sleep(self.config.abort_hold)
         finally:  # the client closing ends the hold: its registered memory goes with it
