@@ -255,6 +255,8 @@ class BootstrapConfig:
     max_failures: int = _opt(3, "consecutive missed probes that evict an encoder from the list")
     evicted_ttl: float = _opt(600.0, "seconds an evicted encoder is still probed (and revived when "
                               "healthy) before it is forgotten")
+    max_encoders: int = _opt(1024, "most encoders the registry holds, healthy or evicted (each is probed "
+                             "every round); a registration over it → 503")
     auth_token: str | None = _opt(None, "bearer token that register and unregister calls must carry "
                                   "(default: none needed; prefer the variable: flags show in ps)",
                                   secret=True)
@@ -268,6 +270,8 @@ class BootstrapConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.max_failures < 1:
             raise ValueError(f"max_failures must be at least 1, got {self.max_failures}")
+        if self.max_encoders < 1:
+            raise ValueError(f"max_encoders must be at least 1, got {self.max_encoders}")
         _check_token("auth_token", self.auth_token)
 
 

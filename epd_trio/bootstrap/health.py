@@ -38,12 +38,13 @@ RESTART_MAX = 60.0  # the backoff's cap
 
 
 def http_probe(http: httpx.AsyncClient) -> Probe:
-    """``GET {url}/health``: healthy iff 200. Network failures are a plain "no"."""
+    """``GET {url}/health``: healthy iff 200. Network failures are a plain "no", and so is a
+    URL the HTTP stack cannot use (``ValueError``, e.g. a host IDNA refuses; ``OSError``)."""
 
     async def probe(url: str) -> bool:
         try:
             response = await http.get(url + "/health")
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, ValueError, OSError) as exc:
             log.debug("probe %s: %s", url, exc)
             return False
         return response.status_code == 200

@@ -18,6 +18,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
+from epd_trio.errors import OverloadedError
 # An encoder URL's rule lives with the wire (protocol/urls.py); re-exported for bootstrap's callers.
 from epd_trio.protocol.urls import normalize_url
 
@@ -94,20 +95,28 @@ class RegistryStatistics:
 class Registry:
     """Encoders by normalized URL, in registration order. Plain state: no I/O, no clock."""
 
-    def __init__(self, *, max_failures: int, evicted_ttl: float) -> None:
-        if max_failures < 1 or evicted_ttl <= 0:
-            raise ValueError("max_failures must be >= 1 and evicted_ttl > 0")
+    def __init__(self, *, max_failures: int, evicted_ttl: float, max_encoders: int = 1024) -> None:
+        if max_failures < 1 or evicted_ttl <= 0 or max_encoders < 1:
+            raise ValueError("max_failures and max_encoders must be >= 1 and evicted_ttl > 0")
         self.max_failures = max_failures
         self.evicted_ttl = evicted_ttl
+        self.max_encoders = max_encoders
         self._entries: dict[str, EncoderEntry] = {}
         self._counts = dict.fromkeys(
             ("registrations", "unregistrations", "probes", "probe_failures",
              "evictions", "revivals", "forgotten"), 0)
 
     def register(self, url: str, now: float) -> bool:
-        """Add ``url`` (already normalized) as healthy; a duplicate is ignored → False."""
+        """Add ``url`` (already normalized) as healthy; a duplicate is ignored → False.
+
+        ``OverloadedError`` (503) when ``max_encoders`` are registered: every entry costs a
+        probe per round, and registration may be open to anyone on the network.
+        """
         if url in self._entries:
             return False
+        if len(self._entries) >= self.max_encoders:
+            raise OverloadedError(f"the registry holds its maximum of {self.max_encoders} encoders "
+                                  "(--max-encoders); unregister some, or wait for dead ones to be forgotten")
         self._entries[url] = EncoderEntry(url=url, registered_at=now)
         self._counts["registrations"] += 1
         return True

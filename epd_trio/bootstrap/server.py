@@ -64,7 +64,8 @@ async def serve_bootstrap(config: BootstrapConfig, *, probe: Probe | None = None
     ``probe`` replaces the default ``GET {url}/health`` check (tests inject
     scripted or crashing ones).
     """
-    registry = Registry(max_failures=config.max_failures, evicted_ttl=config.evicted_ttl)
+    registry = Registry(max_failures=config.max_failures, evicted_ttl=config.evicted_ttl,
+                        max_encoders=config.max_encoders)
     # One keep-alive connection per encoder; move_on_after(health_timeout) is the
     # real deadline, httpx's own timeout only a backstop.
     async with httpx.AsyncClient(timeout=config.health_timeout + 1.0,

@@ -25,8 +25,8 @@ def normalize_url(raw: object, what: str = "url", *,
 
     Accepts ``schemes`` only (http and https unless told: a client also reads
     ``grpc://`` encoders), with a host and an explicit port; refuses
-    credentials, queries, fragments, whitespace and control characters (any
-    of them → ``RequestError``, a 400 on the wire).
+    credentials, queries, fragments, dot path segments, whitespace and control
+    characters (any of them → ``RequestError``, a 400 on the wire).
     """
     if not isinstance(raw, str) or not raw:
         raise RequestError(f"{what} must be a non-empty string")
@@ -55,6 +55,9 @@ def normalize_url(raw: object, what: str = "url", *,
         raise RequestError(f"{what} has an invalid port: {shown}") from None
     if not port:
         raise RequestError(f"{what} must name a port (1-65535): {shown}")
+    if any(segment.lower().replace("%2e", ".") in (".", "..") for segment in parts.path.split("/")):
+        # /., /a/.. (plain or %2e) name the same server as another string: one encoder, many entries
+        raise RequestError(f"{what} must not have '.' or '..' path segments: {shown}")
     netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     return f"{scheme}://{netloc}{parts.path.rstrip('/')}"
 
@@ -67,6 +70,12 @@ def _host(hostname: str | None, what: str, shown: str) -> str:
             return str(ipaddress.IPv6Address(hostname))
         except ValueError:
             raise RequestError(f"{what} has an invalid IPv6 host: {shown}") from None
-    if not _HOSTNAME.match(hostname):
+    if not _HOSTNAME.match(hostname) or not _dns_lengths_ok(hostname):
         raise RequestError(f"{what} has an invalid host: {shown}")
     return hostname
+
+
+def _dns_lengths_ok(hostname: str) -> bool:
+    """RFC 1035's lengths (a label 1-63, a name at most 253): longer ones no resolver takes
+    (httpx's IDNA encoding raises on them), so they are refused here, once, for every user."""
+    return len(hostname) <= 253 and all(1 <= len(label) <= 63 for label in hostname.split("."))

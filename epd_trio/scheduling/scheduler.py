@@ -257,10 +257,13 @@ class Scheduler:
         try:
             # Not abandon_on_cancel: a running forward cannot be interrupted, and
             # its thread must finish before the model may be torn down.
-            return await self.run_sync(self.forward, payloads, limiter=self._limiter)
+            outputs = await self.run_sync(self.forward, payloads, limiter=self._limiter)
         finally:
             self._observe("stage", "forward", trio.current_time() - started)
             self._observe("batch", self.index, len(jobs), sum(p.tokens for p in payloads))
+        if len(outputs) != len(jobs):  # a replaced forward's bug: the batch fails, the loop stays
+            raise EncodeError(f"the forward returned {len(outputs)} outputs for {len(jobs)} requests")
+        return outputs
 
     def _observe(self, what: str, *args: Any) -> None:
         for observer in self.observers:

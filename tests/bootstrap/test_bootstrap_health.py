@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import httpx
 import pytest
 import trio
 
-from epd_trio.bootstrap.health import HealthLoop
+from epd_trio.bootstrap.health import HealthLoop, http_probe
 from epd_trio.bootstrap.registry import Registry, Transition
 
 Script = Callable[[str, float], str]
@@ -144,3 +145,12 @@ async def test_statistics_while_waiting_to_restart(autojump_clock: trio.abc.Cloc
         await trio.sleep(4.0)  # restarted at 4, crashed again at once: now waits 8
         assert (loop.statistics().restart_delay, loop.statistics().crashes) == (8.0, 2)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_url_the_http_stack_refuses_is_a_miss_not_a_crash() -> None:
+    """What ``normalize_url`` lets through must not stop the rounds: a host IDNA refuses
+    (as one registered before the label check could be) is an unhealthy encoder."""
+    async with httpx.AsyncClient(timeout=5) as http:
+        probe = http_probe(http)
+        assert await probe("http://" + "a" * 64 + ":1") is False  # UnicodeError inside httpx
+        assert await probe("http://127.0.0.1:1") is False  # refused: the ordinary "no"

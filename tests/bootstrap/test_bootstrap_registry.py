@@ -13,7 +13,7 @@ from epd_trio.bootstrap.registry import (
     is_expired,
     normalize_url,
 )
-from epd_trio.errors import RequestError
+from epd_trio.errors import OverloadedError, RequestError
 
 
 @pytest.mark.parametrize(("raw", "normalized"), [
@@ -42,6 +42,12 @@ def test_normalize_url_accepts_http_urls_with_host_and_port(raw: str, normalized
     ("http://bad host:8000", "whitespace"),
     ("http://host:8000\n", "whitespace"),
     ("http://ho$t:8000", "invalid host"),
+    ("http://" + "a" * 64 + ":8000", "invalid host"),  # a DNS label is at most 63
+    ("http://a..b:8000", "invalid host"),  # an empty label
+    ("http://e1:8000/.", "path segments"),  # the same server as http://e1:8000
+    ("http://e1:8000/a/../b", "path segments"),
+    ("http://e1:8000/%2E%2e/x", "path segments"),
+    ("http://" + ".".join(["a" * 63] * 4) + ":8000", "invalid host"),  # a name is at most 253
     ("http://[::zz]:8000", "not a valid URL|invalid IPv6"),
     ("http://user:pw@host:8000", "credentials"),
     ("http://host:8000/?a=1", "query or fragment"),
@@ -110,3 +116,14 @@ def test_registry_revival_is_counted() -> None:
                                                  (7, 30.0), (5000, 30.0)])
 def test_backoff_is_capped_exponential_and_never_overflows(attempt: int, delay: float) -> None:
     assert backoff_delay(attempt, 0.5, 30.0) == delay
+
+
+def test_registrations_stop_at_max_encoders() -> None:
+    registry = Registry(max_failures=3, evicted_ttl=600.0, max_encoders=2)
+    assert registry.register("http://a:1", 0.0) and registry.register("http://b:1", 0.0)
+    assert registry.register("http://a:1", 1.0) is False  # a known one is no new entry
+    with pytest.raises(OverloadedError, match="maximum of 2 encoders") as info:
+        registry.register("http://c:1", 1.0)
+    assert info.value.status_code == 503 and registry.urls() == ["http://a:1", "http://b:1"]
+    registry.unregister("http://a:1")
+    assert registry.register("http://c:1", 2.0)  # room again

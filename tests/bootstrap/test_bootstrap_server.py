@@ -261,3 +261,12 @@ async def test_restarted_registry_is_refilled_by_heartbeats(encoder: Any) -> Non
             took = await wait_until(lambda: second.registry.healthy_urls() == [server.advertise_url])
             assert took <= heartbeat + 1.0
         nursery.cancel_scope.cancel()
+
+
+async def test_a_full_registry_answers_503_in_json() -> None:
+    async with registry(dataclasses.replace(QUIET, max_encoders=1)) as (reg, http):
+        assert (await http.post("/register_encoder_url", json={"url": "http://e1:8000"})).status_code == 200
+        full = await http.post("/register_encoder_url", json={"url": "http://e2:8000"})
+        assert full.status_code == 503 and full.json()["error"]["type"] == "OverloadedError"
+        assert "--max-encoders" in full.json()["error"]["message"]
+        assert reg.registry.urls() == ["http://e1:8000"]

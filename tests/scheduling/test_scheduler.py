@@ -294,3 +294,38 @@ async def test_stopping_fails_every_waiter() -> None:
     with pytest.raises(NotReadyError):
         await encode(s, payload(2.0))
     assert s.statistics().admitted == 0
+
+
+async def test_a_forward_that_miscounts_fails_its_requests_not_the_loop(nursery: trio.Nursery) -> None:
+    """The forward is a replaceable hook: one that returns a wrong number of outputs fails the
+    batch's requests as EncodeErrors (one at a time, as a failed batch), and the loop serves on."""
+    s, fake = await started()
+    real = fake.__call__
+    short = [True]
+
+    def miscounting(payloads: Sequence[PreprocessResult]) -> list[torch.Tensor]:
+        out = real(payloads)
+        return out[:-1] if short[0] else out
+
+    s.forward = miscounting
+    errors: list[BaseException] = []
+
+    async def call(v: float) -> None:
+        try:
+            await encode(s, payload(v))
+        except EncodeError as exc:
+            errors.append(exc)
+
+    await nursery.start(s.run)
+    fake.hold()
+    async with trio.open_nursery() as inner:
+        inner.start_soon(call, 0.0)
+        await wait_entered(fake)
+        inner.start_soon(call, 1.0)
+        inner.start_soon(call, 2.0)
+        await trio.testing.wait_all_tasks_blocked()
+        fake.release()
+    assert fake.batches[1] in ([1.0, 2.0], [2.0, 1.0])  # a batch of two, then each alone
+    assert len(errors) == 3 and all("returned 0 outputs for 1 requests" in str(e) for e in errors), errors
+    short[0] = False
+    assert torch.equal(await encode(s, payload(4.0)), torch.full((2, 3), 8.0))  # still serving
