@@ -120,6 +120,33 @@ async def test_results_land_in_standing_slots(qwen25_path: str) -> None:
     assert preprocess_pool.SLOTS_PER_WORKER == 2
 
 
+async def test_a_request_cancelled_as_its_answer_arrives_leaves_no_segment(
+        qwen25_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child has written a fresh segment and answered; the caller is cancelled before the
+    copy out of it starts: the segment must still go."""
+    from epd_trio.engine import preprocess_pool
+
+    before = segments()
+    async with open_preprocess_pool(PoolSpec(qwen25_path, MediaLimits()), workers=1) as pool:
+        pool._arena.acquire = lambda: None  # no standing slot: the answer comes in a segment
+        real, calls = trio.to_thread.run_sync, []
+        with trio.CancelScope() as scope:
+            async def cancelled_before_the_copy(fn, *args, **kw):  # type: ignore[no-untyped-def]
+                calls.append(fn)
+                if len(calls) == 2:  # the first waits for the child; the second copies
+                    scope.cancel()
+                return await real(fn, *args, **kw)
+
+            monkeypatch.setattr(preprocess_pool.trio.to_thread, "run_sync", cancelled_before_the_copy)
+            await pool.preprocess([png_bytes(56, 56, seed=3)], "image")
+        monkeypatch.undo()
+        assert scope.cancelled_caught and len(calls) == 2
+        assert segments() <= before, segments() - before
+        got = await pool.preprocess([png_bytes(56, 56, seed=3)], "image")  # the pool still serves
+        assert got.inputs["pixel_values"].shape[0] > 0
+    assert segments() <= before
+
+
 async def test_engine_in_process_mode_equals_thread_mode(qwen25_path: str) -> None:
     items = [png_bytes(112, 84, seed=5), jpeg_bytes(224, 224, 6)]
     before_segments = segments()

@@ -235,6 +235,7 @@ class PreprocessPool:
                 else:
                     self._arena.release(ticket)
                 raise
+        taken = False
         try:
             if "error" in answer:
                 self._failed += 1
@@ -242,7 +243,10 @@ class PreprocessPool:
             self._done += 1
             # Not abandoned on cancel: the slot is freed only once the copy is out of it.
             result = await trio.to_thread.run_sync(self._take, answer, ticket)
+            taken = True
         finally:
+            if not taken and "segment" in answer:  # cancelled before the copy: nobody else will
+                _unlink_segment(answer)
             self._arena.release(ticket)
         if "slot" in answer:
             self._slot_hits += 1

@@ -19,7 +19,11 @@ import numpy as np
 from epd_trio.errors import EPDError, PayloadTooLargeError
 from epd_trio.model.media import MediaLimits, item_error
 
-__all__ = ["decode_audio", "resample"]
+__all__ = ["MAX_SAMPLE_RATE", "MIN_SAMPLE_RATE", "decode_audio", "resample"]
+
+# Rates a real recording has (telephony's 8 kHz up to studio 768 kHz); outside them FFmpeg's
+# resampler fails (a 2 GHz header: out of memory) or quietly gives no samples.
+MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 1_000, 768_000
 
 
 def decode_audio(data: Any, index: int, limits: MediaLimits, rate: int) -> np.ndarray:
@@ -30,6 +34,9 @@ def decode_audio(data: Any, index: int, limits: MediaLimits, rate: int) -> np.nd
     if decoded is None:
         decoded = _read_pyav(data, index, limits)
     wave, source_rate = decoded
+    if not MIN_SAMPLE_RATE <= source_rate <= MAX_SAMPLE_RATE:
+        raise item_error(index, f"audio sample rate {source_rate} Hz is outside "
+                                f"{MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz")
     if wave.shape[0] == 0:
         raise item_error(index, "audio has no samples")
     _check_seconds(wave.shape[0] / source_rate, index, limits)
@@ -77,6 +84,8 @@ def _read_pyav(data: bytes, index: int, limits: MediaLimits) -> tuple[np.ndarray
             if not container.streams.audio:
                 raise item_error(index, "bytes are not audio in a known format")
             stream = container.streams.audio[0]
+            if stream.codec_context is None:  # a codec this FFmpeg build does not know
+                raise item_error(index, "the audio's codec cannot be decoded")
             rate = stream.rate
             if not rate:
                 raise item_error(index, "audio has no sample rate")

@@ -269,17 +269,19 @@ class MediaLoader:
                 index, "local paths are not allowed (the encoder has no media root); "
                 "send a data: URI or an http(s) URL"
             )
-        resolved = await trio.Path(root, path).resolve()
-        real_root = await trio.Path(root).resolve()
-        if not resolved.is_relative_to(real_root):
-            raise item_error(index, "path is outside the media root")
         try:
+            resolved = await trio.Path(root, path).resolve()
+            real_root = await trio.Path(root).resolve()
+            if not resolved.is_relative_to(real_root):
+                raise item_error(index, "path is outside the media root")
             size = (await resolved.stat()).st_size
             if size > self.limits.max_item_bytes:
                 raise PayloadTooLargeError(f"item {index}: file is over {self.limits.max_item_bytes} bytes")
             return await resolved.read_bytes()
-        except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
-            raise item_error(index, f"cannot read {path}: {type(exc).__name__}") from None
+        # OSError: missing, a directory, not a directory, no permission, a name too long;
+        # ValueError: a NUL byte; RuntimeError: a symlink loop (Python 3.11's resolve)
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise item_error(index, f"cannot read {path[:200]}: {type(exc).__name__}") from None
 
 
 def _needs_io(item: MediaItem) -> bool:

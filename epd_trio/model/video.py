@@ -107,7 +107,7 @@ def decode_video(data: Any, index: int, limits: MediaLimits, sample: Sampler,
         metadata = VideoMetadata(total_num_frames=total, fps=fps, width=width, height=height,
                                  duration=total / fps, video_backend="pyav")
         indices = _checked_indices(sample(metadata), total, width * height, index, limits)
-        frames = _decode_frames(data, indices, index)
+        frames = _decode_frames(data, indices, index, (width, height))
     except EPDError:
         raise
     except (av.FFmpegError, ValueError, IndexError, ZeroDivisionError) as exc:
@@ -124,6 +124,8 @@ def _probe(data: bytes, index: int, limits: MediaLimits) -> tuple[float, int, in
         if not container.streams.video:
             raise item_error(index, "the file has no video stream")
         stream = container.streams.video[0]
+        if stream.codec_context is None:  # a codec this FFmpeg build does not know
+            raise item_error(index, "the video's codec cannot be decoded")
         rate = stream.average_rate or stream.guessed_rate or stream.base_rate
         if not rate or rate <= 0:
             raise item_error(index, "the video's frame rate is unknown")
@@ -152,13 +154,18 @@ def _checked_indices(indices: Sequence[int], total: int, frame_pixels: int, inde
     return indices
 
 
-def _decode_frames(data: bytes, indices: list[int], index: int) -> np.ndarray:
+def _decode_frames(data: bytes, indices: list[int], index: int, size: tuple[int, int]) -> np.ndarray:
+    """The chosen frames, each checked to have the probed ``size`` before it is kept: the caps
+    were checked against that size, and a stream may grow its frames after the first."""
     import av
 
     wanted, last = set(indices), max(indices)
     kept: dict[int, np.ndarray] = {}
     with av.open(io.BytesIO(data), mode="r") as container:
         for i, frame in enumerate(container.decode(video=0)):
+            if (frame.width, frame.height) != size:
+                raise item_error(index, f"video frames change size mid-stream (frame {i} is "
+                                        f"{frame.width}x{frame.height}, the stream {size[0]}x{size[1]})")
             if i in wanted:
                 kept[i] = frame.to_ndarray(format="rgb24")
             if i >= last:
@@ -166,9 +173,6 @@ def _decode_frames(data: bytes, indices: list[int], index: int) -> np.ndarray:
     if len(kept) < len(wanted):
         raise item_error(index, f"video is truncated: frame {max(wanted - kept.keys())} of "
                                 f"{last + 1} cannot be decoded")
-    shapes = {a.shape for a in kept.values()}
-    if len(shapes) > 1:
-        raise item_error(index, f"video frames change size mid-stream ({sorted(shapes)})")
     return np.stack([kept[i] for i in indices])
 
 

@@ -141,6 +141,33 @@ async def test_stereo_and_8bit_files_encode(checkpoints: dict[str, str]) -> None
     assert rel_err(out.embedding, expected) < 1e-4
 
 
+def wav_at(rate: int, samples: int = 1000) -> bytes:
+    """A 16-bit mono WAV whose header claims ``rate``: written by hand (writers refuse odd rates)."""
+    import struct
+
+    data = np.zeros(samples, np.int16).tobytes()
+    fmt = struct.pack("<HHIIHH", 1, 1, rate, (rate * 2) & 0xFFFFFFFF, 2, 16)
+    return (b"RIFF" + struct.pack("<I", 36 + len(data)) + b"WAVEfmt " + struct.pack("<I", 16) + fmt
+            + b"data" + struct.pack("<I", len(data)) + data)
+
+
+def pcm_mkv(codec_id: bytes) -> bytes:
+    """Half a second of PCM in Matroska, the start of its codec id replaced by ``codec_id``."""
+    import av
+
+    out = io.BytesIO()
+    with av.open(out, "w", format="matroska") as container:
+        stream = container.add_stream("pcm_s16le", rate=16000, layout="mono")
+        for i in range(5):
+            frame = av.AudioFrame.from_ndarray(np.zeros((1, 1600), np.int16), format="s16", layout="mono")
+            frame.sample_rate, frame.pts = 16000, i * 1600
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode(None):
+            container.mux(packet)
+    return out.getvalue().replace(b"A_PCM", codec_id[:5].ljust(5, b"Z"))
+
+
 ODD = [
     ("too short for a token", [wav(noise(1.0, 0)), wav(noise(0.01, 0))], RequestError,
      r"item 1: audio is too short \(0.010 s\)"),
@@ -151,6 +178,10 @@ ODD = [
      "item 1: bytes are not audio in a known format"),
     ("truncated header", [wav(noise(0.5, 0))[:30]], RequestError, "item 0: bytes are not audio"),
     ("a PIL image", [None], RequestError, "item 0: an audio item must be an audio file"),
+    ("a 2 GHz sample rate", [wav_at(2**31 - 1)], RequestError,
+     "item 0: audio sample rate 2147483647 Hz is outside 1000-768000 Hz"),
+    ("a 2 MHz sample rate", [wav_at(2_000_000)], RequestError, "item 0: audio sample rate 2000000 Hz"),
+    ("an unknown codec", [pcm_mkv(b"A_ZZZ")], RequestError, "item 0: the audio's codec cannot be decoded"),
 ]
 
 

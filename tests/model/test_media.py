@@ -196,6 +196,12 @@ async def test_media_root_escapes_are_refused(tmp_path: Path) -> None:
             await load([item], limits)
     with pytest.raises(RequestError, match="item 0: cannot read nope.png"):
         await load(["nope.png"], limits)
+    (root / "a.png").write_bytes(png_bytes(4, 4))
+    (root / "loop").symlink_to(root / "loop")
+    for item, error in [("a.png/x", "NotADirectoryError"), ("n" * 300, "OSError"),
+                        ("a\x00b", "ValueError"), ("loop", "(RuntimeError|OSError)")]:
+        with pytest.raises(RequestError, match=f"item 0: cannot read .*: {error}"):  # a 400, not a 500
+            await load([item], limits)
 
 
 def decode_error(data: bytes, limits: MediaLimits = MediaLimits()) -> str:

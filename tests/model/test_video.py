@@ -146,6 +146,30 @@ def test_sampling_knobs_are_the_processors(checkpoints: dict[str, str], video_fi
 
 
 ONE_FRAME = Image.fromarray(generated_frames(1)[0])
+
+
+def mjpeg_mkv(sizes: list[int], codec_id: bytes = b"V_MJPEG") -> bytes:
+    """An MJPEG Matroska file whose frames have the given square sizes (the header says the
+    first's), under ``codec_id``."""
+    import io
+    from fractions import Fraction
+
+    import av
+
+    out = io.BytesIO()
+    with av.open(out, "w", format="matroska") as container:
+        stream = container.add_stream("mjpeg", rate=2)
+        stream.width = stream.height = sizes[0]
+        stream.pix_fmt, stream.time_base = "yuvj420p", Fraction(1, 2)
+        for i, size in enumerate(sizes):
+            jpeg = io.BytesIO()
+            Image.new("RGB", (size, size), (i * 20, 0, 0)).save(jpeg, "JPEG", quality=50)
+            packet = av.Packet(jpeg.getvalue())
+            packet.stream, packet.pts, packet.dts, packet.time_base = stream, i, i, stream.time_base
+            container.mux(packet)
+    return out.getvalue().replace(b"V_MJPEG", codec_id)
+
+
 ODD = [
     ("one-frame file", [sample_video(1)], RequestError, "item 0: video has 1 frame"),
     ("one-frame list", [[ONE_FRAME]], RequestError, "item 0: video has 1 frame"),
@@ -155,6 +179,10 @@ ODD = [
     ("frames of two sizes", [[ONE_FRAME, ONE_FRAME.resize((32, 32))]], RequestError, "item 0: video frames differ in size"),
     ("float frames", [np.zeros((4, 8, 8, 3), np.float32)], RequestError, "item 0: frame 0 must be .* uint8"),
     ("a PIL image", [ONE_FRAME], RequestError, "item 0: a video item must be a video file or a list of frames"),
+    # the caps are checked on the header's size: a frame that grows past it is refused before it is kept
+    ("frames that grow", [mjpeg_mkv([16, 16, 512, 512])], RequestError,
+     "item 0: video frames change size mid-stream .frame 2 is 512x512, the stream 16x16."),
+    ("an unknown codec", [mjpeg_mkv([16] * 4, b"V_ZZZZZ")], RequestError, "item 0: the video's codec"),
 ]
 
 
