@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import pytest
 import torch
 
-from conftest import png_bytes
+from conftest import data_uri, png_bytes
 from epd_trio import RequestError, open_engine
 from epd_trio.engine.cache import EmbeddingCache
 from epd_trio.model.samples import generated_frames, sample_tone
@@ -107,3 +108,16 @@ async def test_video_extras_and_audio_without_grids_survive_the_cache(checkpoint
         fresh = await engine.encode([tones[1], tones[0]], "audio", use_cache=False)
     assert mixed.grid_thw == [] and mixed.token_counts == fresh.token_counts
     assert torch.equal(mixed.item(1), one.embedding)
+
+
+async def test_a_hashes_name_never_answers_for_a_checked_content_hash(qwen25_path: str) -> None:
+    """``hashes`` entries are taken as given, a ``sha256:`` content_hash is checked against the
+    bytes: one client naming A "sha256:<B's digest>" must not poison what B's checked name finds."""
+    name = "sha256:" + hashlib.sha256(B).hexdigest()
+    async with open_engine(model_path=qwen25_path, cache_mb=4) as engine:
+        forged = await engine.encode([A], hashes=[name])  # A's embedding, stored under the name
+        honest = await engine.encode([{"url": data_uri(B), "content_hash": name}])
+        fresh = await engine.encode([B], use_cache=False)
+        again = await engine.encode([A], hashes=[name])  # the hashes namespace still answers
+    assert torch.equal(honest.embedding, fresh.embedding) and not torch.equal(honest.embedding, forged.embedding)
+    assert torch.equal(again.embedding, forged.embedding)

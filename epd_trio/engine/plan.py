@@ -148,14 +148,19 @@ class CachePlan:
 
 
 def given_names(items: Sequence[Any], hashes: Sequence[str] | None) -> list[str | None]:
-    """Each item's client-given name: its ``hashes`` entry, else its ``content_hash``, else None."""
+    """Each item's client-given name: its ``hashes`` entry, else its ``content_hash``, else None.
+
+    The two are named apart: a ``sha256:`` ``content_hash`` is checked against the bytes when
+    they are loaded, a ``hashes`` entry is taken as given, so the same string from ``hashes``
+    must never find (or fill) the entry a checked ``content_hash`` made.
+    """
     if hashes is not None and len(hashes) != len(items):
         raise RequestError(f"'hashes' must have one entry per item ({len(items)}), got {len(hashes)}")
     out: list[str | None] = []
     for i, item in enumerate(items):
-        name = hashes[i] if hashes is not None else None
+        name = f"hashes:{hashes[i]}" if hashes is not None and hashes[i] is not None else None
         if name is None and isinstance(item, dict) and isinstance(item.get("content_hash"), str):
-            name = item["content_hash"] or None
+            name = f"content_hash:{item['content_hash']}" if item["content_hash"] else None
         out.append(name)
     return out
 
