@@ -65,3 +65,18 @@ def test_digests_of_in_process_items() -> None:
     assert content_digest([image, image]) != content_digest([image])
     with pytest.raises(TypeError):
         content_digest(object())
+
+
+def test_palette_images_differ_by_their_palette() -> None:
+    from PIL import Image
+
+    red, blue = Image.new("P", (4, 4), 0), Image.new("P", (4, 4), 0)  # the same indices...
+    red.putpalette([255, 0, 0] * 256)
+    blue.putpalette([0, 0, 255] * 256)  # ...other colours
+    assert red.tobytes() == blue.tobytes() and content_digest(red) != content_digest(blue)
+    see_through = red.copy()
+    see_through.info["transparency"] = 0
+    assert content_digest(see_through) != content_digest(red)
+    again = Image.new("P", (4, 4), 0)
+    again.putpalette([255, 0, 0] * 256)
+    assert content_digest(again) == content_digest(red)

@@ -96,7 +96,11 @@ def _digest_into(h: Any, loaded: Any) -> None:
         for frame in loaded:
             _digest_into(h, frame)
     elif hasattr(loaded, "tobytes") and hasattr(loaded, "mode") and hasattr(loaded, "size"):
-        _update(h, "image", loaded.mode, repr(loaded.size), loaded.tobytes())  # a PIL image
+        # A PIL image. Its pixels alone are palette indices in mode P: the palette (and a
+        # transparent index) is what makes them colours, so it is part of the content.
+        palette = loaded.getpalette() if loaded.mode in ("P", "PA") else None
+        _update(h, "image", loaded.mode, repr(loaded.size), loaded.tobytes(),
+                repr(palette), repr(loaded.info.get("transparency")))
     else:
         raise TypeError(f"cannot hash an item of type {type(loaded).__name__}")
 
