@@ -237,6 +237,8 @@ class EncoderService:
                 await scope.delivery.fail(error)
             except EPDError as notice_failed:
                 log.info("could not tell %s of its failure: %s", scope.request.req_id, notice_failed)
+            except Exception:  # a bug in a delivery: logged, never let into the request nursery
+                log.exception("telling %s of its failure failed unexpectedly", scope.request.req_id)
 
     # ---- lifecycle and observability ---------------------------------------
     async def drain(self) -> None:

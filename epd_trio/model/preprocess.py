@@ -177,8 +177,6 @@ class _ThreadStreams:
     """
 
     def __init__(self, device: str | None) -> None:
-        import torch
-
         self._device = preprocess_device(device)
         self._cuda = self._device is not None and self._device.type == "cuda"
         self._local = threading.local()

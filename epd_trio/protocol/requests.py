@@ -32,8 +32,11 @@ __all__ = [
 
 BACKENDS: Final = ("inline", "zmq", "mooncake")
 MAX_ENDPOINTS: Final = 64
+# Most parts one request may be split into (parts go to encoders, a few per modality). A bound,
+# not a guess: every message about a part carries these numbers, and msgpack stops at 2^64.
+MAX_PARTS: Final = 4096
 MAX_JSON_DEPTH: Final = 32
-_TCP: Final = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})")
+_TCP: Final = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
 _IPC: Final = re.compile(r"ipc://([^\x00]+)")
 _MAX_IPC_PATH: Final = 107  # sun_path is 108 bytes with its NUL
 
@@ -59,6 +62,11 @@ class EncodeRequest:
     part_idx: int = 0
     hashes: list[str] | None = None
     deliver: Delivery = field(default_factory=Delivery)
+
+    def __post_init__(self) -> None:  # every face builds its requests here: one bound for all
+        if not 1 <= self.num_parts <= MAX_PARTS:
+            shown = self.num_parts if -1e12 < self.num_parts < 1e12 else "more"  # a huge int has no str()
+            raise RequestError(f"num_parts must be in 1..{MAX_PARTS}, got {shown}", req_id=self.req_id)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -254,7 +262,7 @@ def parse_abort_request(body: dict[str, Any]) -> AbortRequest:
     return AbortRequest(_req_id(body), part)
 
 
-_SESSION = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})")
+_SESSION = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
 _MAX_ADDRESS = (1 << 64) - 1
 
 

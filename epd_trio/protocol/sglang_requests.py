@@ -41,7 +41,7 @@ MODALITIES: Final = ("IMAGE", "VIDEO", "AUDIO")
 DELIVERIES: Final = ("sglang_zmq", "sglang_mooncake")  # the deliveries this face's requests name
 MAX_RECEIVE_COUNT: Final = 64
 MIN_BASE64: Final = 32  # shorter strings are taken as paths
-_HOST_PORT: Final = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*|[A-Za-z0-9._-]+):(\d{1,5})")
+_HOST_PORT: Final = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*|[A-Za-z0-9._-]+):([0-9]{1,5})")
 _SHA256: Final = re.compile(r"sha256:([0-9A-Fa-f]{64})")
 
 
@@ -57,7 +57,7 @@ def sglang_validation_error(body: dict[str, Any]) -> str | None:
     modality = body.get("modality")
     if not isinstance(modality, str):
         return "missing or invalid modality"
-    if modality.upper() not in MODALITIES:
+    if modality.upper() not in MODALITIES or not modality.isascii():  # "ımage".upper() is IMAGE
         return f"unsupported modality: {modality}"
     items = body.get("mm_items")
     if items is None or (isinstance(items, list) and not items):
@@ -91,7 +91,10 @@ def _string_item(item: str) -> str:
     if item.startswith(("data:", "http://", "https://")):
         return item
     if item.startswith("file://"):
-        return unquote(urlsplit(item).path)
+        try:
+            return unquote(urlsplit(item).path)
+        except ValueError as exc:  # "file://[x/...": an unclosed IPv6 bracket
+            raise RequestError(f"a file:// item is not a valid URL ({exc})") from None
     if len(item) >= MIN_BASE64:
         # Whitespace (a MIME encoder's line breaks) is dropped, but only when the
         # string is not already plain base64, as SGLang's clients send it.

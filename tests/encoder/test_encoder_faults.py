@@ -8,7 +8,8 @@ import pytest
 import trio
 
 from conftest import image_uri
-from epd_trio.errors import AbortedError, TransportError
+from epd_trio.delivery.inline import InlineDelivery
+from epd_trio.errors import AbortedError, RequestError, TransportError
 from epd_trio.protocol.requests import parse_encode_request
 from epd_trio.testing import Fault, FaultPlan, install_faults
 from epd_trio.testing.encoder_faults import FaultyDelivery
@@ -70,3 +71,22 @@ async def test_a_callers_deadline_that_is_the_scopes_counts_as_a_deadline_not_an
         assert (stats.failed, stats.aborted) == (runs, 0), stats
         metrics = service.metrics.exposition().decode()
         assert f'outcome="DeadlineExceeded"}} {float(runs)}' in metrics, metrics
+
+
+async def test_a_delivery_whose_failure_notice_breaks_does_not_take_the_service_down(
+        encoder: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """An error notice that raises something unexpected (it once could: a num_parts msgpack
+    cannot write) is logged; the request nursery, and every other request, carry on."""
+    class BrokenNotice(InlineDelivery):
+        async def fail(self, error: Any) -> None:
+            raise OverflowError("int too big to convert")
+
+    async with encoder() as (server, http):
+        service = server.service
+        bad = parse_encode_request({"req_id": "bad", "modality": "image", "mm_items": ["data:image/png;base64,AAAA"]})
+        with pytest.raises(RequestError):
+            await service.encode(bad, BrokenNotice(threads=trio.CapacityLimiter(1)))
+        ok = await http.post("/encode", json={"req_id": "next", "modality": "image", "mm_items": [image_uri()]})
+        assert ok.status_code == 200
+        assert service.registry.statistics().live_requests == 0
+    assert "telling bad of its failure failed unexpectedly" in caplog.text

@@ -47,13 +47,17 @@ def test_mooncake_receive_count_and_hashes() -> None:
     ({"deliver": {"backend": "mooncake", "receive_count": 0}}, "receive_count"),
     ({"num_parts": 0}, "part_idx < num_parts"),
     ({"part_idx": -1}, "part_idx < num_parts"),
+    # past msgpack's 2^64 an error notice about the part could not even be written
+    ({"num_parts": 2**64, "part_idx": 0}, r"num_parts must be in 1..4096, got more"),
+    ({"num_parts": 4097, "part_idx": 0}, r"num_parts must be in 1..4096, got 4097"),
 ])
 def test_refusals_name_the_field(change: dict, message: str) -> None:
     with pytest.raises(RequestError, match=message):
         parse_encode_request({**BASE, **change}, max_items=4)
 
 
-@pytest.mark.parametrize("endpoint", ["tcp://h:0", "tcp://h", "udp://h:1", "ipc://", "tcp://h:1/x", 5, "tcp://" + "h" * 600 + ":1"])
+@pytest.mark.parametrize("endpoint", ["tcp://h:0", "tcp://h", "udp://h:1", "ipc://", "tcp://h:1/x", 5, "tcp://" + "h" * 600 + ":1",
+                                      "tcp://h:\u0661\u0662\u0663"])  # Arabic-Indic digits: not a port
 def test_bad_endpoints(endpoint: object) -> None:
     with pytest.raises(RequestError):
         validate_endpoint(endpoint)

@@ -32,6 +32,7 @@ def body(**over: Any) -> dict[str, Any]:
     ({"req_id": ""}, "missing or invalid req_id"),
     ({"modality": 3}, "missing or invalid modality"),
     ({"modality": "TEXT"}, "unsupported modality: TEXT"),
+    ({"modality": "\u0131mage"}, "unsupported modality: \u0131mage"),  # dotless i: upper() is IMAGE
     ({"mm_items": []}, "missing or empty mm_items"),
     ({"num_parts": True}, "num_parts must be a positive integer"),
     ({"part_idx": 2}, "part_idx must be in [0, 2)"),
@@ -119,3 +120,15 @@ def test_receive_url_and_send_bodies() -> None:
                               "session_id": "10.0.0.2:12001", "buffer_address": 4096, "receive_count": 2})
     assert (send.session, send.buffer_address, send.length, send.completion, send.receive_count) == (
         "10.0.0.2:12001", 4096, 64, "[::1]:5", 2)
+
+
+@pytest.mark.parametrize("item", ["file://[x/etc/passwd", {"url": "file://a]b/x"}])
+def test_a_file_url_that_is_no_url_is_a_400(item: Any) -> None:
+    with pytest.raises(RequestError, match="a file:// item is not a valid URL"):
+        parse_sglang_encode(body(mm_items=[item]), backend="zmq_to_scheduler", max_items=8)
+
+
+def test_ports_are_ascii_digits() -> None:
+    with pytest.raises(RequestError):
+        parse_receive_url({"req_id": "r", "receive_count": 1, "receive_url": "h:\u0668\u0660",
+                           "modality": "IMAGE"})
