@@ -10,6 +10,8 @@ both. Failures of the call itself are httpx errors (HTTP) or ``EPDError``s
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import httpx
@@ -17,23 +19,59 @@ import msgspec
 
 from epd_trio.client.answers import Answer
 from epd_trio.client.grpc_channel import GRPC_SCHEME, GrpcChannels
+from epd_trio.errors import PayloadTooLargeError
 
 __all__ = ["EncoderCalls"]
 
-_JSON = (("content-type", "application/json"),)
+# identity: a body is never inflated past what the cap counted
+_JSON = (("content-type", "application/json"), ("accept-encoding", "identity"))
+
+
+class _Capped(httpx.AsyncByteStream):
+    """An answer's body, refused once it passes ``limit`` bytes (a broken encoder's endless
+    body would otherwise be read into the client's memory whole)."""
+
+    def __init__(self, inner: httpx.AsyncByteStream, limit: int, url: str) -> None:
+        self.inner, self.limit, self.url = inner, limit, url
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        seen = 0
+        async with aclosing(self.inner.__aiter__()) as chunks:  # type: ignore[type-var]
+            async for chunk in chunks:
+                seen += len(chunk)
+                if seen > self.limit:
+                    raise PayloadTooLargeError(f"{self.url} answered with over {self.limit} bytes "
+                                               "(more than the client's pool could ever hold)")
+                yield chunk
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
 
 
 class EncoderCalls:
     """The client's two faces behind one call, chosen by URL scheme."""
 
-    def __init__(self, http: httpx.AsyncClient, grpc: GrpcChannels) -> None:
+    def __init__(self, http: httpx.AsyncClient, grpc: GrpcChannels, *,
+                 max_answer_bytes: int = 1 << 40) -> None:
         self.http = http
         self.grpc = grpc
+        self.max_answer_bytes = max_answer_bytes  # an HTTP answer's body, at most
 
     async def post(self, url: str, path: str, body: dict[str, Any]) -> Answer:
         if url.startswith(GRPC_SCHEME):
-            return await self.grpc.post(url, path, body)
+            return await self.grpc.post(url, path, body)  # grpcio bounds its messages itself
         # msgspec, not httpx's json.dumps: a 448 px PNG's data: URI (0.6 MB) cost the
         # caller's event loop ~3.6 ms to encode that way, ~0.25 ms here (same JSON).
-        return await self.http.post(url + path, content=msgspec.json.encode(body),
-                                    headers=_JSON)
+        request = self.http.build_request("POST", url + path, content=msgspec.json.encode(body),
+                                          headers=_JSON)
+        response = await self.http.send(request, stream=True)
+        try:
+            declared = response.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > self.max_answer_bytes:
+                raise PayloadTooLargeError(f"{url} answered with {declared} bytes, over the "
+                                           f"{self.max_answer_bytes} the client's pool could ever hold")
+            response.stream = _Capped(response.stream, self.max_answer_bytes, url)  # type: ignore[arg-type]
+            await response.aread()
+        finally:
+            await response.aclose()
+        return response

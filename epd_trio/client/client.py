@@ -90,6 +90,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+# An HTTP answer may exceed the pool by its header and metadata, no more.
+_ANSWER_SLACK: Final = 1 << 20
 # Copying this much (~2 ms at memcpy speed) is worth a thread hop off the trio loop.
 _COPY_IN_THREAD_BYTES: Final = 16 << 20
 
@@ -162,7 +164,9 @@ class EncoderClient:
             timeout = httpx.Timeout(None, connect=self.config.connect_timeout)  # deadlines are ours
             self._http = http = await self._stack.enter_async_context(
                 httpx.AsyncClient(timeout=timeout, transport=self._transport))
-            self._calls = EncoderCalls(http, await self._stack.enter_async_context(self.grpc))
+            # A part's answer holds at most its embedding (inline), which must fit the pool.
+            self._calls = EncoderCalls(http, await self._stack.enter_async_context(self.grpc),
+                                       max_answer_bytes=self.config.pool_bytes + _ANSWER_SLACK)
             self._nursery = nursery = await self._stack.enter_async_context(trio.open_nursery())
             if pull is not None:
                 nursery.start_soon(self.demux.run, pull)
