@@ -67,7 +67,7 @@ class EncoderCalls:
         response = await self.http.send(request, stream=True)
         try:
             declared = response.headers.get("content-length", "")
-            if declared.isdigit() and int(declared) > self.max_answer_bytes:
+            if declared.isdigit() and (len(declared) > 18 or int(declared) > self.max_answer_bytes):
                 raise PayloadTooLargeError(f"{url} answered with {declared} bytes, over the "
                                            f"{self.max_answer_bytes} the client's pool could ever hold")
             response.stream = _Capped(response.stream, self.max_answer_bytes, url)  # type: ignore[arg-type]
