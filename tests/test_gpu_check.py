@@ -68,7 +68,7 @@ BENCHMARKS = {name: cmd for name, cmd in STEPS.items() if name not in PYTESTS}
 
 def test_the_script_is_read_as_it_runs() -> None:
     """Guards the parsing above: a script that changed shape must not leave nothing to check."""
-    assert {"gpu_tests", "sglang_mooncake"} <= set(PYTESTS)
+    assert {"gpu_tests", "gpu_tests:compile", "sglang_mooncake"} <= set(PYTESTS)
     assert {"bench_engine", "bench_service", "bench_capacity", "bench_transfer"} <= set(BENCHMARKS)
     assert all(cmd[0] == sys.executable for cmd in BENCHMARKS.values()), BENCHMARKS
     script = "step a 10 \"$PY\" tools/x.py --one \\\n    --two $CKPT  # note\nstep\n"
@@ -97,7 +97,9 @@ def test_each_pytest_step_selects_tests(name: str) -> None:
              if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name.startswith("test_")}
     if "-k" in command:
         keyword = command[command.index("-k") + 1]
-        assert any(keyword in t for t in tests), f"-k {keyword} selects nothing in {files}"
+        negated = keyword.removeprefix("not ")
+        chosen = [t for t in tests if (negated not in t) == (negated != keyword)]
+        assert chosen and negated.isidentifier(), f"-k {keyword} selects nothing in {files}"
     if "-m" in command:
         marker = command[command.index("-m") + 1]
         text = "".join(f.read_text() for f in files)
@@ -106,3 +108,39 @@ def test_each_pytest_step_selects_tests(name: str) -> None:
 
 def test_the_wheel_check_covers_every_tool_the_script_runs() -> None:
     assert {tool_args(cmd)[0] for cmd in BENCHMARKS.values()} <= set(GPU_CHECK_RUNS)
+
+
+def _wheel(folder: Path, name: str) -> Path:
+    """A minimal pure-Python wheel: one module that says where it was installed."""
+    import zipfile
+
+    path = folder / f"{name}-1.0-py3-none-any.whl"
+    info = f"{name}-1.0.dist-info"
+    with zipfile.ZipFile(path, "w") as whl:
+        whl.writestr(f"{name}.py", "HERE = __file__\n")
+        whl.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        whl.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        whl.writestr(f"{info}/RECORD", "")
+    return path
+
+
+def test_the_venv_sees_a_venv_pythons_packages_and_the_wheels_first(tmp_path: Path) -> None:
+    """The GPU image's python3 is itself a venv's (/opt/torch/.venv): a venv made from it with
+    --system-site-packages saw the base interpreter's packages, not torch. The script's
+    environment block, run here from this venv's python, must give a python that imports both
+    what only this venv has (pytest_trio) and the carried wheel, installed in the new venv."""
+    import subprocess
+
+    script = SCRIPT.read_text()
+    block = script[script.index("# ---- environment"):script.index('"$PY" - <<')]
+    block = re.sub(r'^NEEDED=.*$', 'NEEDED="import pytest_trio, epd_probe_wheel"', block, count=1, flags=re.M)
+    wheels = tmp_path / "whl"
+    wheels.mkdir()
+    _wheel(wheels, "epd_probe_wheel")
+    prelude = (f"ROOT={shlex.quote(str(ROOT))}; PY={shlex.quote(sys.executable)}; "
+               f"WHEELS={shlex.quote(str(wheels))}; VENV={shlex.quote(str(tmp_path / 'venv'))}\n")
+    tail = '\n"$PY" -c "import epd_probe_wheel, pytest_trio; print(epd_probe_wheel.HERE)"\n'
+    done = subprocess.run(["bash", "-c", "set -uo pipefail\n" + prelude + block + tail],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1].startswith(str(tmp_path / "venv")), done.stdout

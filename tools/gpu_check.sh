@@ -36,7 +36,13 @@ fi
 NEEDED="import epd_trio, pytest, pytest_trio, hypothesis, msgpack"
 if ! "$PY" -c "$NEEDED" >/dev/null 2>&1; then
     if [ ! -x "$VENV/bin/python" ]; then
-        "$PY" -m venv --system-site-packages "$VENV" || { echo "gpu_check: cannot create $VENV"; exit 1; }
+        # $PY may itself be a venv's (the GPU image's is /opt/torch/.venv): a new venv is built
+        # on the base interpreter, and --system-site-packages would show it the base's packages,
+        # not torch. So a .pth file adds $PY's own site directories after the venv's (pip
+        # included: the venv has none of its own), and the wheels go into the venv, first.
+        "$PY" -m venv --without-pip "$VENV" || { echo "gpu_check: cannot create $VENV"; exit 1; }
+        VSITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+        "$PY" -c 'import sys; print("import site; " + "; ".join(f"site.addsitedir({p!r})" for p in sys.path if p.endswith("-packages")))' > "$VSITE/_epd_outer.pth"
     fi
     if ! "$VENV/bin/python" -c "$NEEDED" >/dev/null 2>&1; then
         if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
@@ -44,8 +50,8 @@ if ! "$PY" -c "$NEEDED" >/dev/null 2>&1; then
             echo "           no wheel directory $WHEELS: run 'bash tools/gpu_wheels.sh' where pip works"
             exit 1
         fi
-        "$VENV/bin/python" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check \
-            "$WHEELS"/*.whl || { echo "gpu_check: offline install from $WHEELS failed"; exit 1; }
+        "$VENV/bin/python" -m pip install -q --no-index --no-deps --no-compile --ignore-installed \
+            --disable-pip-version-check "$WHEELS"/*.whl || { echo "gpu_check: offline install from $WHEELS failed"; exit 1; }
     fi
     PY="$VENV/bin/python"
 fi
@@ -64,22 +70,28 @@ FAILED=0
 # One budget for the whole script (set-up included), so the table is out in under 8 minutes
 # however the steps fare: a step gets its own limit or what is left, whichever is less.
 BUDGET="${EPD_GPU_BUDGET:-520}"
+# The device tool brings back at most 8 files from $OUT: a step named LOG:PART appends to
+# LOG's log (LOG.log), so the logs and summary.txt stay within that.
 step() {  # step NAME TIMEOUT_S COMMAND...
     local name="$1" limit="$2"; shift 2
-    local t0=$SECONDS status left=$((BUDGET - SECONDS - 5))
+    local t0=$SECONDS status left=$((BUDGET - SECONDS - 5)) log append=()
+    log="$LOGS/${name%%:*}.log"; [[ "$name" == *:* ]] && append=(-a)
     if ((left < 10)); then
         ROWS+=("$(printf '%-18s %-12s %5ss' "$name" "NOT RUN" 0)"); FAILED=1
-        echo; echo "== $name: not run, the ${BUDGET}s budget is spent"; : > "$LOGS/$name.log"; return
+        echo; echo "== $name: not run, the ${BUDGET}s budget is spent" | tee "${append[@]}" "$log"; return
     fi
     ((limit > left)) && limit=$left
-    echo; echo "== $name (timeout ${limit}s): $*"
-    timeout -k 5 "$limit" "$@" 2>&1 | grep -v -E '^[IW][0-9]{4} |^USDT' | tee "$LOGS/$name.log"
+    { echo; echo "== $name (timeout ${limit}s): $*"; } | tee "${append[@]}" "$log"
+    timeout -k 5 "$limit" "$@" 2>&1 | grep --line-buffered -v -E '^[IW][0-9]{4} |^USDT' | tee -a "$log"
     local rc=${PIPESTATUS[0]}
     case $rc in 0) status=ok ;; 124|137) status="TIMEOUT"; FAILED=1 ;; *) status="FAILED ($rc)"; FAILED=1 ;; esac
     ROWS+=("$(printf '%-18s %-12s %5ss' "$name" "$status" "$((SECONDS - t0))")")
 }
 
-step gpu_tests 120 "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -o faulthandler_timeout=110
+# torch.compile (cold Inductor cache) runs last, as step gpu_tests:compile, so a slow compile
+# cannot take the other GPU tests' time or the benchmarks'.
+step gpu_tests 120 "$PY" -m pytest -q -m gpu tests/test_gpu.py -k "not compile" -p no:cacheprovider \
+    -o faulthandler_timeout=110
 # SGLang's own Mooncake receiver (WaitingRDMARequest) with its unmodified per-request CUDA
 # landing buffer; on CPU, tests/sglang lands in a CPU tensor instead. Needs the interop env
 # (tools/sglang_env.sh) and a CUDA build of mooncake-transfer-engine on that machine: the
@@ -104,17 +116,22 @@ step bench_production 80 "$PY" tools/bench_production.py --quick --full-size --d
 step bench_preprocess 100 "$PY" tools/bench_preprocess.py --quick --workers 1 4 16 \
     --sizes 448 1024 --repeat 2 --device cuda
 # Everything but the model: images/s and server CPU per image against preprocessing workers.
+# No --plot: the device tool brings back 8 files from $OUT, the step logs and summary.txt.
 step bench_capacity 75 "$PY" tools/bench_capacity.py --quick --null-forward --formats jpeg \
-    --sizes 64 448 --workers 1 4 16 --repeats 1 --plot "$LOGS/capacity.png"
+    --sizes 64 448 --workers 1 4 16 --repeats 1
 # ZMQ against the raw socket at 1-64 MiB on a quiet many-core host (issue 17's 0.8 x raw target).
 step bench_transfer 40 "$PY" tools/bench_transfer.py --quick --skip-mooncake --plot ''
+step gpu_tests:compile 90 "$PY" -m pytest -q -m gpu tests/test_gpu.py -k compile -p no:cacheprovider \
+    -o faulthandler_timeout=80
 
 # ---- the compact table -----------------------------------------------------------
 {
     echo; echo "== gpu_check summary ($(date -u +%FT%TZ), logs in $LOGS)"
     printf '%-18s %-12s %6s\n' step status time
     printf '%s\n' "${ROWS[@]}"
-    echo; echo "-- gpu tests:"; grep -E 'passed|failed|skipped|error' "$LOGS/gpu_tests.log" | tail -1
+    echo; echo "-- gpu tests:"; sed '/^== gpu_tests:compile/,$d' "$LOGS/gpu_tests.log" | grep -E 'passed|failed|skipped|error' | tail -1
+    echo "-- bfloat16 + torch.compile (gpu_tests:compile):"
+    sed -n '/^== gpu_tests:compile/,$p' "$LOGS/gpu_tests.log" | grep -E 'passed|failed|skipped|error|not run' | tail -1
     echo; echo "-- SGLang's Mooncake receiver on CUDA:"
     grep -E 'passed|failed|skipped|error' "$LOGS/sglang_mooncake.log" 2>/dev/null | tail -1 || echo "(not run)"
     echo; echo "-- engine vs bare transformers (img/s):"
