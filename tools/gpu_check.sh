@@ -9,7 +9,7 @@
 #
 # Python: $PYTHON (default python3, the one that holds torch). Packages that python lacks
 # come from a wheel directory, $EPD_WHEELS (default .whl, made here by tools/gpu_wheels.sh),
-# installed offline into a venv that sees the system's packages (torch, transformers).
+# installed offline into a venv that also sees $PY's own packages (torch, transformers).
 # Through the device tool: first `bash tools/gpu_wheels.sh` here, then run
 #   bash tools/gpu_check.sh        with carry [".whl"] and timeout_s 580.
 # Exit status: 0 when every step passed (or no CUDA), 1 when a step failed or timed out.
