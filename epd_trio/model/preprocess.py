@@ -83,7 +83,12 @@ class EncoderPreprocessor:
             self._check_request_pixels(items)
         step = self._steps[modality]
         places = range(len(items)) if indices is None else indices
-        return self._join([step(i, item) for i, item in zip(places, items, strict=True)], modality)
+        # One stream scope for the items and their join: on CUDA the join's cat
+        # reads device tensors, so it must run on this thread's stream, before
+        # the one synchronize that hands the result on.
+        with self._streams.scope():
+            parts = [step(i, item) for i, item in zip(places, items, strict=True)]
+            return self._join(parts, modality)
 
     def _check_request_pixels(self, items: Sequence[Any]) -> None:
         """All of a request's images together, from their headers, before any is decoded."""
@@ -94,14 +99,13 @@ class EncoderPreprocessor:
 
     def _image(self, index: int, item: Any) -> PreprocessResult:
         on_device = {} if self.device is None else {"device": self.device}
-        with self._streams.scope():
-            if self.decoder == "pil":
-                image = decode_image(item, index, self.limits)
-            else:
-                image = decode_image_tensor(item, index, self.limits, self._streams.decode_device)
-            processed = _call(index, "image processor", self.processors["image"],
-                              images=[image], return_tensors="pt", **on_device)
-            return self.adapter.item_result(processed, "image")
+        if self.decoder == "pil":
+            image = decode_image(item, index, self.limits)
+        else:
+            image = decode_image_tensor(item, index, self.limits, self._streams.decode_device)
+        processed = _call(index, "image processor", self.processors["image"],
+                          images=[image], return_tensors="pt", **on_device)
+        return self.adapter.item_result(processed, "image")
 
     def _video(self, index: int, item: Any) -> PreprocessResult:
         processor = self.processors["video"]

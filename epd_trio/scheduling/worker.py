@@ -105,12 +105,14 @@ class EncoderWorker:
         import torch
 
         adapter = self.encoder.adapter
-        inputs = adapter.collate(payloads)
         with ExitStack() as stack:
             stack.enter_context(torch.inference_mode())
             if self._cuda:
                 stack.enter_context(torch.cuda.device(self.device))
                 stack.enter_context(torch.cuda.stream(self._stream))
+            # Collated on this stream: with --preprocess-device cuda the inputs are
+            # device tensors, and a cat on the default stream would race the forward.
+            inputs = adapter.collate(payloads)
             inputs = {k: self._to_device(v) for k, v in inputs.items()}
             output = adapter.forward(self.encoder.module, inputs)
             return self._to_host(output)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -102,6 +104,42 @@ def test_tensor_and_device_paths_equal_the_pil_path(loaded, fmt: str) -> None:  
         assert made[name].token_counts == made["pil"].token_counts
         for key, value in made["pil"].inputs.items():
             assert torch.equal(made[name].inputs[key].cpu(), value), (name, key)
+
+
+class RecordingStreams:
+    """Stands in for the per-thread CUDA stream scope; records what ran inside it."""
+
+    decode_device = "cpu"
+
+    def __init__(self) -> None:
+        self.inside = False
+        self.scopes = 0
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        self.scopes += 1
+        self.inside = True
+        try:
+            yield
+        finally:
+            self.inside = False
+
+
+def test_a_requests_items_and_their_join_run_in_one_stream_scope(loaded, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """On CUDA the join's cat reads device tensors: it must run on the thread's stream too."""
+    pre = EncoderPreprocessor(loaded.adapter, loaded.processors, LIMITS, device="cpu")
+    streams = pre._streams = RecordingStreams()  # type: ignore[assignment]
+    seen: list[tuple[str, bool]] = []
+    real_item, real_collate = pre.adapter.item_result, pre.adapter.collate
+    monkeypatch.setattr(pre.adapter, "item_result",
+                        lambda *a: seen.append(("item", streams.inside)) or real_item(*a))
+    monkeypatch.setattr(pre.adapter, "collate",
+                        lambda parts: seen.append(("join", streams.inside)) or real_collate(parts))
+    items = [encoded(random_image(56, 56, seed=i), "PNG") for i in range(2)]
+    result = pre.preprocess(items, "image")
+    assert seen == [("item", True), ("item", True), ("join", True)]
+    assert streams.scopes == 1  # one synchronize per request, not one per item
+    assert len(result.token_counts) == 2 and len(result.grid_thw) == 2
 
 
 def test_unknown_decoder_is_refused(loaded) -> None:  # type: ignore[no-untyped-def]

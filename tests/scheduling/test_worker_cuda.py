@@ -114,12 +114,13 @@ class FakeCuda:
 
 
 class DoublingAdapter:
-    """Each request's rows, doubled; logs the device and stream the forward ran under."""
+    """Each request's rows, doubled; logs the device and stream the collate and forward ran under."""
 
     def __init__(self, fake: FakeCuda) -> None:
         self.fake = fake
 
     def collate(self, results: Sequence[PreprocessResult]) -> dict[str, torch.Tensor]:
+        self.fake.log.append(("collate", *self.fake.current()))
         return {"x": torch.cat([r.inputs["x"] for r in results])}
 
     def forward(self, module: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -168,6 +169,7 @@ def test_a_forward_uses_its_device_and_stream_and_waits_for_the_copy_out(fake_cu
     assert fake_cuda.log == [
         ("enter device", "cuda:1"),
         ("enter stream", stream),
+        ("collate", *on),  # on the stream: device-preprocessed inputs are cat there
         ("pin", *on), ("host to device", "cuda:1", True, *on),
         ("forward", *on),
         ("pinned buffer", *on), ("device to host", True, *on),
