@@ -13,7 +13,9 @@ callers each preprocess one image at a time from a shared list:
 * with ``--device cuda``: also the thread path with the processor on the
   device (``--preprocess-device``), JPEG decoded there too.
 
-Also: decode alone, PIL against torchvision (ms per image). Every pool is
+Also: decode alone, PIL against torchvision (ms per image). A mode that fails
+(say the device path on a broken driver) is dropped and named at the end, with
+exit status 1; the other modes' tables are still printed. Every pool is
 started first; then the configurations take turns, case by case, ``--repeat``
 rounds, and each point is the median of its rounds, so a load that drifts hits
 all of them alike. The load average is printed before and after: on a shared
@@ -35,7 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -136,26 +138,50 @@ async def main(args: argparse.Namespace) -> None:
     print(f"images per point: {', '.join(f'{s}px {counts.get(s, args.images)}' for s in args.sizes)}; "
           f"median of {args.repeat}; concurrency 2 x workers", flush=True)
 
-    modes = ["thread", "process"] + ([f"device:{args.device}"] if args.device else [])
+    modes = list(args.modes) + ([f"device:{args.device}"] if args.device else [])
+    failed: dict[str, str] = {}  # mode -> why: one mode's failure must not lose the others' tables
     async with contextlib.AsyncExitStack() as stack:
         steps = {}
         for mode in modes:
             for workers in args.workers:
-                steps[(mode, workers)] = await make_step(stack, mode, workers, model, encoder, limits)
+                if mode not in failed:
+                    with record_failure(failed, mode):
+                        steps[(mode, workers)] = await make_step(stack, mode, workers, model, encoder, limits)
         print(f"  pools started; load average {os.getloadavg()[0]:.2f}", flush=True)
         runs: dict[tuple[str, str, int, int], list[tuple[float, float]]] = {}
         for rep in range(args.repeat):  # configurations take turns, so drifting load hits all alike
             for (fmt, size), batch in images.items():
                 for (mode, workers), step in steps.items():
-                    if rep == 0:
-                        await rate(step, batch[: 2 * workers], 2 * workers)  # warm-up
-                    runs.setdefault((mode, fmt, size, workers), []).append(
-                        await rate(step, batch, 2 * workers))
+                    if mode in failed:
+                        continue
+                    with record_failure(failed, mode):
+                        if rep == 0:
+                            await rate(step, batch[: 2 * workers], 2 * workers)  # warm-up
+                        runs.setdefault((mode, fmt, size, workers), []).append(
+                            await rate(step, batch, 2 * workers))
             print(f"  round {rep + 1}/{args.repeat} done", flush=True)
-    results = {key: statistics.median(r for r, _ in values) for key, values in runs.items()}
-    cpu = {key: statistics.median(c for _, c in values) for key, values in runs.items()}
-    report(results, modes, args.workers, cases, images)
-    report_cpu(cpu, modes, args.workers, cases)
+    kept = [m for m in modes if m not in failed]
+    if kept:
+        results = {key: statistics.median(r for r, _ in values) for key, values in runs.items()}
+        cpu = {key: statistics.median(c for _, c in values) for key, values in runs.items()}
+        report(results, kept, args.workers, cases, images)
+        report_cpu(cpu, kept, args.workers, cases)
+    for mode, why in failed.items():
+        print(f"\nmode {mode} FAILED, left out of the tables: {why}")
+    if failed:
+        raise SystemExit(1)
+
+
+@contextlib.contextmanager
+def record_failure(failed: dict[str, str], mode: str) -> Iterator[None]:
+    """An error in ``mode`` drops that mode (noted in ``failed``) instead of the whole run."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - a benchmark reports any failure and goes on
+        while isinstance(exc, BaseExceptionGroup) and exc.exceptions:  # the callers' nursery's
+            exc = exc.exceptions[0]
+        failed[mode] = f"{type(exc).__name__}: {exc}"
+        print(f"  mode {mode} failed: {failed[mode]}", flush=True)
 
 
 async def make_step(stack: contextlib.AsyncExitStack, mode: str, workers: int, model: str,
@@ -203,6 +229,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sizes", type=int, nargs="+", default=[224, 448, 1024])
     parser.add_argument("--images", type=int, default=48, help="images per point (1024 px: a third)")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--modes", nargs="+", choices=["thread", "process"], default=["thread", "process"],
+                        help="the CPU paths to measure (default: both)")
     parser.add_argument("--device", default=None, help="also the --preprocess-device path, e.g. cuda")
     parser.add_argument("--model-path", default=None, help="default: the embedded tiny model")
     args = parser.parse_args(argv)
