@@ -2,8 +2,9 @@
 
 Every encoder pushes a client's embeddings to the same socket; a message finds
 its part by ``(req_id, part_idx)``. A message for no live part (late, repeated
-or unknown) is dropped and counted, never queued, and the hand-off is
-synchronous, so the socket never backs up behind a slow request. An ``error``
+or unknown), or an embedding for a request that has already failed, is dropped
+and counted, never queued, and the hand-off is synchronous, so the socket
+never backs up behind a slow request. An ``error``
 message fails its request at once. Without a socket (inline, Mooncake) it is
 only the table of live parts.
 """
@@ -28,7 +29,8 @@ log = logging.getLogger(__name__)
 class DemuxStatistics:
     parts_live: int  # parts a message may be for
     messages_received: int
-    messages_dropped: int  # for no live part (late, duplicate, unknown) or lost on the way
+    messages_dropped: int  # for no live part (late, duplicate, unknown), for a failed request,
+    # or lost on the way
     malformed_messages: int  # dropped by the PULL receiver
 
 
@@ -71,10 +73,17 @@ class Demultiplexer:
             self.drop(header, "no part waits for it")
             return
         req, state = found
-        state.message = (header, payload)
         if header.kind == "error":
             state.answered = True  # the encoder is done with it
+            state.message = (header, payload)
             req.fail(zmq_error(header, state.encoder_url))
+        elif req.failure is not None:
+            # Nobody will read it (the request's tasks are cancelled): holding it would
+            # keep its bytes until the request unregisters.
+            self.drop(header, f"its request already failed ({type(req.failure).__name__})")
+            return
+        else:
+            state.message = (header, payload)
         state.arrived.set()
 
     def statistics(self) -> DemuxStatistics:

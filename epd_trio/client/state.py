@@ -33,7 +33,7 @@ class ClientStatistics:
     requests_failed: int
     retries: int  # parts moved to another encoder after a connect error
     messages_received: int
-    messages_dropped: int  # for no live part (late, duplicate or unknown)
+    messages_dropped: int  # for no live part (late, duplicate or unknown) or a failed request
     malformed_messages: int  # dropped by the PULL receiver
     aborts_sent: int
     aborts_failed: int
