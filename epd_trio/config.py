@@ -290,6 +290,18 @@ def _url(raw: str, name: str) -> str:
         raise ValueError(exc.message) from None
 
 
+def _encoder_urls(urls: tuple[str, ...]) -> tuple[str, ...]:
+    """A client's own encoder list, normalized and without repeats (the port may be left off)."""
+    from epd_trio.errors import RequestError
+    from epd_trio.protocol.urls import ENCODER_SCHEMES, normalize_url
+
+    try:
+        return tuple(dict.fromkeys(normalize_url(url, "encoder URL", schemes=ENCODER_SCHEMES,
+                                                 require_port=False) for url in urls))
+    except RequestError as exc:
+        raise ValueError(exc.message) from None
+
+
 @dataclass(frozen=True)
 class ClientConfig:
     """The encoder client: which encoders, where embeddings arrive, deadlines, pool size."""
@@ -328,9 +340,8 @@ class ClientConfig:
                              f"got {self.transfer_backend!r}")
         if self.pool_bytes < 1:
             raise ValueError(f"pool_bytes must be at least 1, got {self.pool_bytes}")
-        for url in self.encoder_urls:
-            if not url.startswith(("http://", "https://", "grpc://")):
-                raise ValueError(f"encoder URL must start with http://, https:// or grpc://, got {url!r}")
+        # Normalized as a registry's list is, so the two merge: one encoder, one string.
+        object.__setattr__(self, "encoder_urls", _encoder_urls(self.encoder_urls))
 
 
 def flag_name(field_name: str) -> str:

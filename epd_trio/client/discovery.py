@@ -18,7 +18,7 @@ import trio
 from trio_util import periodic
 
 from epd_trio.client.answers import json_of
-from epd_trio.protocol.urls import normalize_url
+from epd_trio.protocol.urls import ENCODER_SCHEMES, normalize_url
 from epd_trio.errors import (
     PeerUnavailable,
     ProtocolError,
@@ -32,7 +32,6 @@ __all__ = ["Discovery", "DiscoveryStatistics", "fetch_encoder_urls", "merge_urls
 log = logging.getLogger(__name__)
 
 # A registry may list gRPC encoders too (epd-trio's own registers http(s) only: it probes /health).
-ENCODER_SCHEMES = ("http", "https", "grpc")
 
 
 def merge_urls(urls: Sequence[str]) -> tuple[str, ...]:

@@ -13,18 +13,21 @@ from urllib.parse import urlsplit
 
 from epd_trio.errors import RequestError
 
-__all__ = ["MAX_URL_LENGTH", "normalize_url"]
+__all__ = ["ENCODER_SCHEMES", "MAX_URL_LENGTH", "normalize_url"]
 
 MAX_URL_LENGTH = 2048
+ENCODER_SCHEMES = ("http", "https", "grpc")  # what a client reaches an encoder by
 _HOSTNAME = re.compile(r"^[a-z0-9_](?:[a-z0-9._-]*[a-z0-9_])?$")
 
 
 def normalize_url(raw: object, what: str = "url", *,
-                  schemes: tuple[str, ...] = ("http", "https")) -> str:
+                  schemes: tuple[str, ...] = ("http", "https"), require_port: bool = True) -> str:
     """``scheme://host:port[/path]`` with scheme and host lower-cased and no trailing ``/``.
 
     Accepts ``schemes`` only (http and https unless told: a client also reads
-    ``grpc://`` encoders), with a host and an explicit port; refuses
+    ``grpc://`` encoders), with a host and an explicit port (optional with
+    ``require_port=False``: a client's own list may lean on the scheme's
+    default, and is kept without one rather than guessed); refuses
     credentials, queries, fragments, dot path segments, whitespace and control
     characters (any of them → ``RequestError``, a 400 on the wire).
     """
@@ -53,12 +56,13 @@ def normalize_url(raw: object, what: str = "url", *,
         port = parts.port
     except ValueError:
         raise RequestError(f"{what} has an invalid port: {shown}") from None
-    if not port:
+    if not port and (require_port or port == 0):
         raise RequestError(f"{what} must name a port (1-65535): {shown}")
     if any(segment.lower().replace("%2e", ".") in (".", "..") for segment in parts.path.split("/")):
         # /., /a/.. (plain or %2e) name the same server as another string: one encoder, many entries
         raise RequestError(f"{what} must not have '.' or '..' path segments: {shown}")
-    netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    netloc = f"[{host}]" if ":" in host else host
+    netloc += f":{port}" if port else ""
     return f"{scheme}://{netloc}{parts.path.rstrip('/')}"
 
 

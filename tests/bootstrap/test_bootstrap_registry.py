@@ -60,6 +60,20 @@ def test_normalize_url_refuses_what_is_not_an_encoder_url(raw: object, message: 
     assert info.value.status_code == 400
 
 
+@pytest.mark.parametrize(("raw", "normalized"), [
+    ("http://Enc0/", "http://enc0"),  # kept without a port, not guessed
+    ("GRPC://[0:0:0:0:0:0:0:1]", "grpc://[::1]"),
+    ("https://e:443/p/", "https://e:443/p"),
+])
+def test_a_port_may_be_left_off_when_not_required(raw: str, normalized: str) -> None:
+    assert normalize_url(raw, schemes=("http", "https", "grpc"), require_port=False) == normalized
+
+
+def test_port_zero_is_refused_even_when_a_port_is_optional() -> None:
+    with pytest.raises(RequestError, match="must name a port"):
+        normalize_url("http://host:0", require_port=False)
+
+
 def test_after_probe_evicts_at_the_max_failures_th_consecutive_miss() -> None:
     e = EncoderEntry("http://a:1", registered_at=0.0)
     e = after_probe(e, False, 10.0, 3)

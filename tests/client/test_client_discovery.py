@@ -10,6 +10,7 @@ import trio
 import trio.testing
 
 from epd_trio.client import open_encoder_client
+from epd_trio.config import ClientConfig
 from epd_trio.errors import PeerUnavailable
 
 
@@ -45,6 +46,18 @@ async def test_list_is_merged_refreshed_and_kept_through_outages(autojump_clock:
         await trio.sleep(5.0)
         assert client.encoders == ("http://static:9",)
     assert [t - t0 for t in reg.calls] == [0.0, 5.0, 10.0, 15.0]  # no drift
+
+
+async def test_the_clients_own_urls_are_normalized_so_they_merge_with_the_registrys(
+        autojump_clock: trio.testing.MockClock) -> None:
+    reg = FakeRegistry(["http://static:9", "http://e1:1"])
+    async with open_encoder_client(encoder_urls=["HTTP://Static:9/", "http://static:9", "http://plain"],
+                                   bootstrap_url="http://reg:8997",
+                                   http_transport=httpx.MockTransport(reg.handler)) as client:
+        assert client.config.encoder_urls == ("http://static:9", "http://plain")
+        assert client.encoders == ("http://static:9", "http://plain", "http://e1:1")  # one entry each
+    with pytest.raises(ValueError, match="credentials"):
+        ClientConfig(encoder_urls=("http://user:pw@e:1",))
 
 
 async def test_every_encoder_gone_fails_fast(autojump_clock: trio.testing.MockClock) -> None:
