@@ -6,6 +6,7 @@ import importlib.util
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -52,20 +53,26 @@ def test_split_is_per_image_and_other_is_the_rest(bench: ModuleType) -> None:
 
 
 def test_reading_this_process(bench: ModuleType) -> None:
-    spinning = threading.Event()
+    """A thread that has burnt CPU of its own is in ``total`` and not in ``main``."""
+    spun, done = threading.Event(), threading.Event()
 
     def spin() -> None:
-        while not spinning.is_set():
+        while not done.is_set():
             sum(range(1000))
+            if time.thread_time() >= 0.2:  # this thread's own CPU seconds
+                spun.set()
 
     thread = threading.Thread(target=spin)
     thread.start()
     try:
+        assert spun.wait(60)
         sample = bench.read_cpu(os.getpid())
     finally:
-        spinning.set()
+        done.set()
         thread.join()
-    assert sample.total >= sample.main >= 0.0 and sample.zmq >= 0.0 and sample.children >= 0.0
+    assert sample.main > 0.0  # this (the main) thread has imported and run pytest
+    assert sample.total - sample.main >= 0.1  # the spinner's 0.2 s, less clock-tick slack
+    assert sample.zmq >= 0.0 and sample.children >= 0.0
 
 
 def test_scaling_is_against_the_fewest_workers(bench: ModuleType) -> None:

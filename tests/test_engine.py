@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 import trio
+import trio.testing
 
 from conftest import png_bytes
 from epd_trio import EngineConfig, OverloadedError, RequestError, open_engine
+from epd_trio.testing import run_threads_inline
 
 
 async def test_bad_input_is_a_request_error_naming_the_item(qwen25_path: str) -> None:
@@ -29,12 +31,29 @@ async def test_bad_input_is_a_request_error_naming_the_item(qwen25_path: str) ->
     assert (stats.admitted, stats.preprocessing, stats.requests_done) == (0, 0, 1)
 
 
-async def test_overloaded_refuses_at_once(qwen25_path: str) -> None:
+async def test_overloaded_refuses_at_once(qwen25_path: str, autojump_clock: trio.testing.MockClock) -> None:
+    """Refused in no virtual time (under the autojump clock any sleep or timeout would move it),
+    before any preprocessing (counted at the engine's seam) or forward, while the slot is held."""
     async with open_engine(model_path=qwen25_path, max_pending=1) as engine:
+        run_threads_inline(engine)
+        preprocessed = []
+        step = engine.preprocess_step
+
+        async def counted(*args: object, **kwargs: object) -> object:
+            preprocessed.append(trio.current_time())
+            return await step(*args, **kwargs)
+
+        engine.preprocess_step = counted
         with engine.scheduler.admit():
+            started = trio.current_time()
             with pytest.raises(OverloadedError):
                 await engine.encode([png_bytes(32, 32)])
+            assert trio.current_time() == started and preprocessed == []
+            held = engine.statistics()
         await engine.encode([png_bytes(32, 32)])
+        after = engine.statistics()
+    assert (held.admitted, held.queued, held.requests_done, held.batches_run) == (1, 0, 0, 0)
+    assert (after.admitted, after.requests_done) == (0, 1) and len(preprocessed) == 1
 
 
 async def test_random_cancellations_leave_others_correct_and_nothing_behind(qwen25_path: str) -> None:

@@ -59,9 +59,15 @@ async def test_callers_cannot_change_what_the_cache_holds(qwen25_path: str) -> N
         reference = first.embedding.clone()
         with torch.inference_mode():  # the forward's output is an inference tensor
             first.embedding.fill_(7.0)  # the miss's own output, mutated by its caller
+        before = forwards(engine)
         hit = await engine.encode([A])
         hit.embedding.fill_(9.0)  # a hit's output, mutated by its caller
         later = await engine.encode([A])
+        after = forwards(engine)
+        stats = engine.statistics().cache
+    # Both later calls were answered by the cache (a fresh forward would hide a mutated entry).
+    assert after == before
+    assert stats is not None and (stats.hits, stats.misses) == (2, 1)
     assert torch.equal(later.embedding, reference)
 
 

@@ -144,5 +144,5 @@ def test_the_reader_sees_imports_everywhere(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("part", sorted(FORBIDDEN))
 def test_each_rule_names_real_parts(part: str) -> None:
-    parts = {_part(m) for m in _known_modules()} | {"delivery"}  # delivery: being added
+    parts = {_part(m) for m in _known_modules()}
     assert part in parts and FORBIDDEN[part] <= parts

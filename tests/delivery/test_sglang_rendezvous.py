@@ -51,8 +51,12 @@ async def test_an_unclaimed_registration_is_withdrawn_at_its_deadline(clock: tri
 
 async def test_a_cancelled_registration_leaves_nothing(clock: trio.testing.MockClock) -> None:
     table = Rendezvous()
-    with trio.move_on_after(2):
-        await table.register("gone", 1, "h:1", timeout=100)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: table.register("gone", 1, "h:1", timeout=100))
+        await trio.sleep(2)
+        assert table.statistics() == RendezvousStatistics(1, 0, 1, 1, 0)  # live: registered, waiting
+        nursery.cancel_scope.cancel()  # the rank's HTTP client went away
+    assert trio.current_time() == 2  # cancelled, not timed out
     assert table.statistics() == EMPTY
 
 

@@ -45,10 +45,3 @@ def test_config_refuses_bad_token_settings() -> None:
         EncoderConfig(require_auth_for_encode=True)
     with pytest.raises(ValueError, match="printable ASCII"):
         EncoderConfig(auth_token="has space")
-
-
-async def test_oversized_header_is_refused(encoder: Any) -> None:
-    async with encoder(max_header_bytes=2048) as (_, http):
-        r = await http.post("/encode", json=ENCODE, headers={"X-Big": "x" * 4096})
-        assert r.status_code in (400, 413, 431)
-        assert (await http.get("/health")).status_code == 200

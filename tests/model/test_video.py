@@ -18,7 +18,7 @@ import trio
 from PIL import Image
 from transformers.video_utils import load_video
 
-from conftest import with_deepstack
+from conftest import png_bytes, with_deepstack
 from epd_trio import open_engine
 from epd_trio.errors import PayloadTooLargeError, RequestError
 from epd_trio.model.loader import load_encoder
@@ -239,6 +239,23 @@ async def test_videos_run_alone_and_images_still_batch(checkpoints: dict[str, st
             for i in range(len(items)):
                 nursery.start_soon(call, i)
         assert engine.statistics().batches_run - before == len(items)
-    for mine, ref in zip(together, alone):
+        # Images sent among the same videos still batch with each other.
+        images = [png_bytes(56 + 28 * (i % 2), 56, seed=i) for i in range(4)]
+        images_alone = [await engine.encode([image]) for image in images]
+        before = engine.statistics().batches_run
+        mixed: list = [None] * (len(items) + len(images))
+
+        async def mixed_call(i: int) -> None:
+            if i < len(items):
+                mixed[i] = await engine.encode([items[i]], "video")
+            else:
+                mixed[i] = await engine.encode([images[i - len(items)]])
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(mixed)):
+                nursery.start_soon(mixed_call, i)
+        # Each video is a batch of its own: fewer batches than requests means images shared one.
+        assert engine.statistics().batches_run - before < len(mixed), "images did not batch"
+    for mine, ref in zip(together + mixed, alone + alone + images_alone):
         assert mine.grid_thw == ref.grid_thw
         assert rel_err(mine.embedding, ref.embedding) < 1e-5

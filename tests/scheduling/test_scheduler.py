@@ -114,6 +114,8 @@ async def test_batches_what_queued_during_a_forward(nursery: trio.Nursery) -> No
     # trio starts tasks in no promised order: check sizes and membership
     assert [len(b) for b in fake.batches] == [1, 4, 1]
     assert sorted(v for b in fake.batches for v in b) == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    await trio.testing.wait_all_tasks_blocked()  # the first caller (outer nursery) has its answer too
+    assert sorted(results) == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]  # every caller answered
     assert all(torch.equal(results[v], torch.full((2, 3), v * 2)) for v in results)
     stats = s.statistics()
     assert (stats.requests_done, stats.batches_run, stats.admitted, stats.queued) == (6, 3, 0, 0)

@@ -20,6 +20,7 @@ import json
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -49,9 +50,37 @@ class Encoders(dict[str, str]):
         return self._pool.log_tail(name, chars)
 
 
-@pytest.fixture(scope="module")
-def encoders(sglang_encoders: EncoderPool) -> Encoders:
-    return Encoders(sglang_encoders)
+@pytest.fixture
+def encoders(sglang_encoders: EncoderPool) -> Iterator[Encoders]:
+    """The shared encoders; after each test, every one of them has released everything."""
+    shared = Encoders(sglang_encoders)
+    yield shared
+    assert_nothing_left_behind(shared, shared.log_tail)
+
+
+def stats(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url + "/stats", timeout=10) as answer:
+        return dict(json.loads(answer.read()))
+
+
+def assert_nothing_left_behind(urls: Mapping[str, str],
+                               log_tail: Callable[[str], str] = lambda name: "") -> None:
+    """Every encoder (name → HTTP URL) released every request and registration it served.
+
+    SGLang closes a connection as soon as it has what it needs (zmq_to_tokenizer
+    cancels its ``/encode``), so a scope may still be finishing: wait, bounded.
+    """
+    for name, url in urls.items():
+        deadline = time.monotonic() + 30
+        while True:
+            seen = stats(url)
+            rendezvous = seen["sglang_rendezvous"]
+            if not (seen["live_requests"] or rendezvous["entries"] or rendezvous["claimed"]) \
+                    or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        assert seen["live_requests"] == 0, (name, seen, log_tail(name))
+        assert (rendezvous["entries"], rendezvous["claimed"]) == (0, 0), (name, rendezvous, log_tail(name))
 
 
 @pytest.fixture(scope="module")
@@ -244,22 +273,3 @@ def test_mooncake_with_sglangs_own_rdma_receiver(
         assert_close(tensors[f"{i}/IMAGE"], want.cat())
         assert rank["meta"]["img_grid_thw"] == {"tensor": want.grids}
     assert answer["dispatch_errors"] == []
-
-
-def stats(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url + "/stats", timeout=10) as answer:
-        return dict(json.loads(answer.read()))
-
-
-def test_nothing_is_left_behind(language_server: LanguageServer, encoders: Encoders) -> None:
-    """Run last in this module: every encoder released every request it served.
-
-    SGLang closes a connection as soon as it has what it needs (zmq_to_tokenizer
-    cancels its ``/encode``), so a scope may still be finishing: wait, bounded.
-    """
-    for name, url in encoders.items():
-        deadline = time.monotonic() + 30
-        while (seen := stats(url))["live_requests"] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert seen["live_requests"] == 0, (name, seen, encoders.log_tail(name))
-        assert seen["sglang_rendezvous"]["claimed"] == 0, (name, seen["sglang_rendezvous"])

@@ -15,15 +15,13 @@ The rest uses in-process encoders and the standard grpcio stubs: SGLang's
 messages for invalid requests, the error frame a failed part pushes, modalities
 said by the items (beyond SGLang, which encodes images only), SGLang's Mooncake
 ``Encode`` sizes and ``Send`` with a real TransferEngine over TCP (SGLang's
-receiver refuses mooncake over gRPC), and the 256 MiB message limit.
+receiver refuses mooncake over gRPC), and the 256 MiB message limit (scaled down).
 """
 
 from __future__ import annotations
 
 import base64
-import json
 import os
-import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -46,7 +44,7 @@ from epd_trio.protocol.grpc_messages import infer_modality
 from sglang_face_kit import decode_with_sglang, rank, stats, until
 from sglang_harness import Decoder, LanguageServer, SGLangEnv, sglang_decoder, sglang_env  # noqa: F401 (fixtures)
 from sglang_encoders import EncoderPool, SharedEncoder, sglang_encoders  # noqa: F401 (a fixture)
-from test_sglang_end_to_end import BAD_IMAGE, assert_close, ok_ranks
+from test_sglang_end_to_end import BAD_IMAGE, assert_close, assert_nothing_left_behind, ok_ranks
 
 IMAGE_SIZES = [(56, 56), (84, 56), (28, 112)]
 GRPC_MODE = {"SGLANG_ENCODER_MM_RECEIVER_MODE": "grpc"}
@@ -54,9 +52,13 @@ GRPC_MODE = {"SGLANG_ENCODER_MM_RECEIVER_MODE": "grpc"}
 SHARED = {"tok_a": "vl_tokenizer", "tok_b": "vl_tokenizer_b", "sched_a": "vl_a", "sched_b": "vl_b"}
 
 
-@pytest.fixture(scope="module")
-def encoders(sglang_encoders: EncoderPool) -> dict[str, SharedEncoder]:
-    return {name: sglang_encoders[shared] for name, shared in SHARED.items()}
+@pytest.fixture
+def encoders(sglang_encoders: EncoderPool) -> Iterator[dict[str, SharedEncoder]]:
+    """The shared encoders; after each test, every one of them has released everything."""
+    shared = {name: sglang_encoders[pooled] for name, pooled in SHARED.items()}
+    yield shared
+    assert_nothing_left_behind({name: e.http for name, e in shared.items()},
+                               lambda name: shared[name].log.read_text(errors="replace")[-4000:])
 
 
 @pytest.fixture(scope="module")
@@ -177,21 +179,6 @@ def test_an_encoder_error_reaches_the_dispatch_and_every_rank(
     for rank_ in answer["ranks"]:
         assert rank_["ok"] is False and rank_["error"][1] == 400, answer
     assert any("Received error signal from encoder" in w for w in answer["warnings"])
-
-
-def test_nothing_is_left_behind(grpc_language_server: LanguageServer,
-                                encoders: dict[str, SharedEncoder]) -> None:
-    """Run last of the end-to-end tests: every encoder released every request and registration."""
-    for name, encoder in encoders.items():
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            with urllib.request.urlopen(encoder.http + "/stats", timeout=10) as got:
-                seen = json.loads(got.read())
-            if not seen["live_requests"] and not seen["sglang_rendezvous"]["entries"]:
-                break
-            time.sleep(0.05)
-        assert seen["live_requests"] == 0, (name, seen)
-        assert seen["sglang_rendezvous"]["entries"] == 0, (name, seen["sglang_rendezvous"])
 
 
 # ---- the grpcio stub against in-process encoders -------------------------------------------
@@ -391,10 +378,15 @@ async def test_send_is_refused_without_mooncake(encoder: Any) -> None:
 
 
 # ---- SGLang's message limits -----------------------------------------------------------------
-async def test_messages_up_to_256_mib(encoder: Any) -> None:
+async def test_messages_up_to_256_mib(encoder: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server reads messages up to MESSAGE_LIMIT, past a smaller max_body_bytes (128 MiB by
+    default), and no further. Scaled down: a limit of 8 MiB (over grpcio's 4 MiB default, so
+    the limit must be set), max_body_bytes 4 MiB, as 256 and 128 MiB stand."""
     assert MESSAGE_LIMIT == 256 << 20  # SGLang's grpc_server.py, both directions
-    filler = "x" * (MESSAGE_LIMIT - (64 << 10))
-    async with encoder(api="sglang", grpc_port=0) as (server, _):
+    limit = 8 << 20
+    monkeypatch.setattr("epd_trio.encoder.grpc_server.MESSAGE_LIMIT", limit)
+    filler = "x" * (limit - (64 << 10))
+    async with encoder(api="sglang", grpc_port=0, max_body_bytes=limit // 2) as (server, _):
         under = await call(server, encode(req_id="", num_parts=1, mm_items=[filler]))
         over = await call(server, encode(req_id="", num_parts=1, mm_items=[filler + "x" * (128 << 10)]))
     assert failed(under, grpc.StatusCode.INVALID_ARGUMENT) == "missing or invalid req_id"  # read
