@@ -34,8 +34,11 @@ from epd_trio.encoder.service import open_encoder_service
 from epd_trio.engine import open_engine
 from epd_trio.testing import AppRouter, FaultPlan, assert_quiescent, install_faults, run_threads_inline
 
-SCENARIOS = int(os.environ.get("EPD_CHAOS_SCENARIOS", "300"))
-CHUNKS = 6
+SCENARIOS = int(os.environ.get("EPD_CHAOS_SCENARIOS", "120"))
+CHUNKS = 3
+# Seeds a chunk runs before it must have seen every outcome and every kind of fault fired;
+# each default chunk has this many, so the check runs unless the seeds are chosen by hand.
+LIVENESS_SEEDS = 40
 IMAGES = [png_bytes(28 * (1 + i % 4), 28 * (1 + (i * 3) % 5), seed=i) for i in range(8)]
 
 
@@ -152,7 +155,11 @@ async def test_chaos_in_process(chunk: int, qwen25_path: str, autojump_clock: tr
         seen: set[str] = set()
         for seed in seeds:
             seen.update(await run_scenario(stack, seed, refs))
-    if len(seeds) >= 40:  # the chaos really happened: successes, typed failures, every kind of fault
-        assert "ok" in seen and seen & {"EncodeTimeout", "RemoteEncodeError", "AbortedError"}, seen
-        kinds = {s.rsplit(":", 1)[1] for s in seen if s.startswith("fired:")}
-        assert kinds == {"delay", "error", "cancel"}, seen
+    if len(seeds) < LIVENESS_SEEDS:
+        assert os.environ.get("EPD_CHAOS_SEED") or os.environ.get("EPD_CHAOS_SCENARIOS"), \
+            f"chunk {chunk}: {len(seeds)} default seeds, too few for the liveness check ({LIVENESS_SEEDS})"
+        return
+    # The chaos really happened: successes, typed failures, every kind of fault.
+    assert "ok" in seen and seen & {"EncodeTimeout", "RemoteEncodeError", "AbortedError"}, seen
+    kinds = {s.rsplit(":", 1)[1] for s in seen if s.startswith("fired:")}
+    assert kinds == {"delay", "error", "cancel"}, seen

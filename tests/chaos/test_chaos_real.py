@@ -42,7 +42,10 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:Exception ignored in. <async_generator object ByteStream.__aiter__"
     ":pytest.PytestUnraisableExceptionWarning")
 
-DEFAULT_SEEDS = range(1836, 1872)  # 36 seeds whose draws cover every kind (9 + 9 + 8 + 5 + 5)
+# 12 seeds whose draws cover every kind at least twice (abort 3, connection_drop 3, client_timeout 2,
+# stuck_receiver 2, encoder_killed 2: 1840 falls back to a peer, 1861 has none and is killed mid-batch).
+# A kill costs a model load (10-20 s), so there are two; ``tools/chaos_soak.py`` runs many more.
+DEFAULT_SEEDS = (1840, *range(1850, 1860), 1861)
 SEND_TIMEOUT = 1.0  # a receiver that stops reading costs a request 1 s, not the default 60
 # Messages queued per destination before a send waits: with the default 64, a fresh stuck
 # receiver took 65 posts of large images (~20 s) before its first send timed out; the same
@@ -57,7 +60,7 @@ def selected_seeds() -> list[int]:
 
 def test_the_default_seeds_draw_every_kind() -> None:
     kinds = Counter(kind_of(seed) for seed in DEFAULT_SEEDS)
-    assert len(DEFAULT_SEEDS) >= 30 and all(kinds[k] >= 4 for k in KINDS), kinds
+    assert len(DEFAULT_SEEDS) >= 12 and all(kinds[k] >= 2 for k in KINDS), kinds
 
 
 async def test_real_clock_chaos(qwen25_path: str, tmp_path: Path) -> None:

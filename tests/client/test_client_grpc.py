@@ -124,9 +124,13 @@ async def test_an_unreachable_grpc_encoder_is_skipped(qwen25_path: str) -> None:
             assert_clean(client)
 
 
-async def test_a_cancel_and_a_timeout_end_the_scopes_on_the_encoder(qwen25_path: str) -> None:
+async def test_a_cancel_and_a_timeout_end_the_scopes_on_the_encoder(
+        qwen25_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # The encoder pushes to an endpoint nobody binds, so its Encode stays live in the
     # send (send_timeout 60 s) until the call is cancelled or its deadline passes.
+    # A failed scope's last error notice to that receiver waits out its bound (5 s)
+    # before the scope is released: 0.1 s here.
+    monkeypatch.setattr("epd_trio.encoder.service._ERROR_NOTICE_TIMEOUT", 0.1)
     with socket_port() as port:
         async with encoders(qwen25_path, 1) as (server,), open_encoder_client(
                 encoder_urls=[grpc_url(server)], pool_bytes=1 << 20,

@@ -93,9 +93,13 @@ async def test_a_bad_item_fails_the_request_and_leaves_no_live_part(qwen25_path:
             assert result.embeddings["image"].shape[1] == 40
 
 
-async def test_a_timeout_aborts_the_parts_on_their_encoders(qwen25_path: str) -> None:
+async def test_a_timeout_aborts_the_parts_on_their_encoders(
+        qwen25_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # Encoders push to an endpoint nobody binds, so each part stays live in its send
     # (send_timeout 60 s) until our /abort cancels it.
+    # A failed scope's last error notice to that receiver waits out its bound (5 s)
+    # before the scope is released: 0.1 s here.
+    monkeypatch.setattr("epd_trio.encoder.service._ERROR_NOTICE_TIMEOUT", 0.1)
     async with encoders(qwen25_path, 2) as servers, \
             open_encoder_client(encoder_urls=[s.url for s in servers], pool_bytes=1 << 20,
                                 zmq_advertise=f"tcp://127.0.0.1:{free_port()}") as client:

@@ -39,6 +39,13 @@ def encode_body(req_id: str = "r1", **kw: Any) -> dict[str, Any]:
     return {"req_id": req_id, "modality": "image", "mm_items": [image_uri()], **kw}
 
 
+@pytest.fixture
+def short_error_notices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed scope's final error notice to a receiver that never reads waits out
+    min(send_timeout, 5 s) before the scope is released: 0.1 s here, not a wait."""
+    monkeypatch.setattr("epd_trio.encoder.service._ERROR_NOTICE_TIMEOUT", 0.1)
+
+
 async def test_inline_and_zmq_equal_the_engine_and_transformers(encoder: Any, qwen25_path: str) -> None:
     image = png_bytes(120, 90, seed=3)
     async with encoder() as (server, http), PullReceiver() as pull:
@@ -122,7 +129,7 @@ async def test_failed_encode_still_delivers_an_error_message(encoder: Any) -> No
     assert header.error is not None and header.error.status == 400 and "item 0" in header.error.message
 
 
-async def test_duplicate_live_request_and_abort(encoder: Any) -> None:
+async def test_duplicate_live_request_and_abort(encoder: Any, short_error_notices: None) -> None:
     # Nobody listens on this endpoint: the request stays live in its send.
     stuck = encode_body("dup", deliver={"backend": "zmq", "endpoint": "tcp://127.0.0.1:9"})
     async with encoder(send_timeout=30) as (_, http):
@@ -151,7 +158,7 @@ async def test_duplicate_live_request_and_abort(encoder: Any) -> None:
     assert final["live_requests"] == 0 and final["registry"]["aborted"] == 2
 
 
-async def test_vanished_receiver_times_out_and_releases(encoder: Any) -> None:
+async def test_vanished_receiver_times_out_and_releases(encoder: Any, short_error_notices: None) -> None:
     async with encoder(send_timeout=0.5) as (_, http):
         async with PullReceiver() as pull:
             endpoint = pull.last_endpoint
@@ -162,7 +169,7 @@ async def test_vanished_receiver_times_out_and_releases(encoder: Any) -> None:
     assert final["live_requests"] == 0 and final["zmq"]["send_timeouts"] >= 1
 
 
-async def test_client_disconnect_cancels_the_scope(encoder: Any) -> None:
+async def test_client_disconnect_cancels_the_scope(encoder: Any, short_error_notices: None) -> None:
     stuck = encode_body("gone", deliver={"backend": "zmq", "endpoint": "tcp://127.0.0.1:9"})
     async with encoder(send_timeout=2) as (_, http):
         import httpx
@@ -174,7 +181,7 @@ async def test_client_disconnect_cancels_the_scope(encoder: Any) -> None:
     assert final["registry"]["aborted"] == 1
 
 
-async def test_request_deadline_is_a_504(encoder: Any) -> None:
+async def test_request_deadline_is_a_504(encoder: Any, short_error_notices: None) -> None:
     stuck = encode_body("late", deliver={"backend": "zmq", "endpoint": "tcp://127.0.0.1:9"})
     async with encoder(send_timeout=2, request_timeout=0.5) as (_, http):
         r = await http.post("/encode", json=stuck)

@@ -82,9 +82,13 @@ async def test_live_keys_are_unique_and_known() -> None:
         await registry.wait_idle()
 
 
-async def test_shutdown_answers_every_waiter_and_releases_every_scope(qwen25_path: str) -> None:
+async def test_shutdown_answers_every_waiter_and_releases_every_scope(
+        qwen25_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two requests stuck in their send (nobody listens) when the service closes:
     the drain cancels them, each waiter gets a 503, each scope ends aborted."""
+    # A failed scope's last error notice to that receiver waits out its bound (5 s)
+    # before the scope is released: 0.1 s here.
+    monkeypatch.setattr("epd_trio.encoder.service._ERROR_NOTICE_TIMEOUT", 0.1)
     from conftest import image_uri
     from epd_trio.config import EncoderConfig, EngineConfig
     from epd_trio.encoder.service import open_encoder_service

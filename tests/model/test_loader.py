@@ -128,11 +128,12 @@ def _peak_bytes(kinds: list[str], warm: str, path: Path) -> list[int]:
 
 @pytest.mark.slow
 def test_peak_memory_far_under_the_full_model(tmp_path: Path, qwen25_path: str) -> None:
-    # A language model of ~400 MB beside a vision tower of well under 1 MB.
-    spec = TinySpec(out_hidden=1024, text_layers=6, text_intermediate=4096, vocab_size=8192)
+    # A language model of ~130 MB beside a vision tower of well under 1 MB (the encoder's
+    # load grows the peak by ~1 MB, the bound below is ~6 MB).
+    spec = TinySpec(out_hidden=1024, text_layers=1, text_intermediate=4096, vocab_size=8192)
     path = make_tiny_model(tmp_path / "big-lm", spec)
     lm_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    assert lm_bytes > 300e6
+    assert lm_bytes > 100e6
     full, ours = _peak_bytes(["full", "encoder"], qwen25_path, path)
     assert full > lm_bytes / 2, f"the measurement does not see a full model's weights ({full}, {ours})"
     assert ours < lm_bytes / 20, f"loading the encoder grew the peak RSS by {ours / 1e6:.0f} MB"

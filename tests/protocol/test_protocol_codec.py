@@ -422,7 +422,7 @@ json_like = st.recursive(
     max_leaves=20,
 )
 header_keys = st.sampled_from(sorted(valid_map()) + ["error", "x"])
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def decodes_or_protocol_error(frames: list[bytes]) -> None:

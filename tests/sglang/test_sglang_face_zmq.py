@@ -106,13 +106,26 @@ async def test_errors_are_answered_and_pushed_to_every_rank(
 
 
 async def test_waits_are_bounded_and_leave_nothing(encoder: Any) -> None:
-    async with encoder(api="sglang", request_timeout=3.0, send_timeout=1.0) as (_, http):
-        lonely = await http.post("/scheduler_receive_url", json={
-            "req_id": "lonely_local_part_0", "receive_count": 1, "receive_url": "127.0.0.1:9",
-            "modality": "IMAGE"})
-        unheard = await http.post("/encode", json=encode_body("unheard", 0, 1, [data_uri(png_bytes(28, 28))]))
-        no_sizes = await http.post("/scheduler_receive_meta_data", json={"req_id": "x", "part_idx": 0})
-        after = await stats(http)
+    # The three waits are independent, so they run side by side: a registration nobody's
+    # /encode claims and a sizes query nobody answers (request_timeout each), and a part
+    # no rank registers for (send_timeout, well inside the request's deadline).
+    calls = {
+        "lonely": ("/scheduler_receive_url", {"req_id": "lonely_local_part_0", "receive_count": 1,
+                                              "receive_url": "127.0.0.1:9", "modality": "IMAGE"}),
+        "unheard": ("/encode", encode_body("unheard", 0, 1, [data_uri(png_bytes(28, 28))])),
+        "no_sizes": ("/scheduler_receive_meta_data", {"req_id": "x", "part_idx": 0}),
+    }
+    answers: dict[str, Any] = {}
+    async with encoder(api="sglang", request_timeout=1.5, send_timeout=1.0) as (_, http):
+        async def call(name: str) -> None:
+            answers[name] = await http.post(calls[name][0], json=calls[name][1])
+
+        async with trio.open_nursery() as nursery:
+            for name in calls:
+                nursery.start_soon(call, name)
+        # The unheard part's error notice (bounded by send_timeout) outlives its 504.
+        after = await until(http, lambda s: s["live_requests"] == 0, timeout=5.0)
+    lonely, unheard, no_sizes = (answers[k] for k in ("lonely", "unheard", "no_sizes"))
     assert lonely.status_code == 504 and lonely.json()["req_id"] == "lonely_local_part_0"
     assert unheard.status_code == 504 and unheard.json()["req_id"] == "unheard_local_part_0"
     assert no_sizes.status_code == 504
