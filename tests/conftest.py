@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import importlib.util
 import io
 import os
 import subprocess
@@ -11,6 +12,7 @@ import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import ExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -51,6 +53,17 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def qwen25_path(checkpoints: dict[str, str]) -> str:
     return checkpoints["qwen2_5_vl"]
+
+
+def load_tool(name: str) -> ModuleType:
+    """``tools/<name>.py`` as a module (registered in ``sys.modules``, as dataclasses need)."""
+    path = Path(__file__).resolve().parent.parent / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def random_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:

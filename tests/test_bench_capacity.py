@@ -2,27 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 import threading
 import time
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "bench_capacity.py"
+from conftest import load_tool
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_capacity", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_capacity"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("bench_capacity")
 
 
 def test_stat_lines_with_awkward_thread_names(bench: ModuleType) -> None:

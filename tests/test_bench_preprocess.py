@@ -2,29 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 import trio
 
+from conftest import load_tool
 from epd_trio.model.preprocess import EncoderPreprocessor
 
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "bench_preprocess.py"
 SMALL = ["--modes", "thread", "--workers", "1", "--sizes", "224", "--images", "2", "--repeat", "1"]
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_preprocess", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_preprocess"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("bench_preprocess")
 
 
 def run(bench: ModuleType, tiny_model: str, *extra: str) -> int:

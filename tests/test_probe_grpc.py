@@ -4,27 +4,19 @@ right bytes, a cancel and a deadline reach the trio task, Watch pushes a change 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import sys
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from types import ModuleType
 
 import grpc
 import pytest
 import trio
 
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "probe_grpc.py"
+from conftest import load_tool
 
 
 @pytest.fixture(scope="module")
 def probe() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("probe_grpc", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["probe_grpc"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("probe_grpc")
 
 
 Serve = Callable[..., contextlib.AbstractAsyncContextManager[int]]
