@@ -39,6 +39,8 @@ def decode_audio(data: Any, index: int, limits: MediaLimits, rate: int) -> np.nd
                                 f"{MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz")
     if wave.shape[0] == 0:
         raise item_error(index, "audio has no samples")
+    if not np.isfinite(wave).all():  # float WAV/FLAC can hold them; the embedding would be NaN
+        raise item_error(index, "audio samples must be finite (no NaN or infinity)")
     _check_seconds(wave.shape[0] / source_rate, index, limits)
     mono = wave.mean(axis=1, dtype=np.float32) if wave.shape[1] > 1 else wave[:, 0]
     if source_rate != rate:

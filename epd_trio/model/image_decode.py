@@ -1,19 +1,21 @@
-"""Image decoding straight to a tensor: torchvision's libjpeg-turbo / libpng, PIL for the rest.
+"""Image decoding straight to a tensor: torchvision's libjpeg-turbo for JPEG, PIL for the rest.
 
-The image processor wants a ``[3, H, W]`` uint8 tensor in the end; decoding
-with torchvision's operators gives one directly (no PIL image, no PIL→numpy copy)
-and is faster than ``PIL.Image.open(...).convert("RGB")`` (448×448: JPEG ~1.6
-against ~2.2 ms, PNG ~2.7 against ~3.2 ms on this machine), with the **same
-pixels**: both decode with libjpeg's default (accurate DCT, fancy upsampling)
-and neither applies EXIF orientation (``tests/model/test_image_decode.py``
-checks equality byte for byte). It also decodes a JPEG on a CUDA device
-(nvJPEG) for ``--preprocess-device cuda``.
+The image processor wants a ``[3, H, W]`` uint8 tensor in the end; decoding a
+JPEG with torchvision's operator gives one directly (no PIL image, no
+PIL→numpy copy) and is faster than ``PIL.Image.open(...).convert("RGB")``
+(448×448: ~1.6 against ~2.2 ms on this machine), with the **same pixels**:
+both decode with libjpeg's default (accurate DCT, fancy upsampling) and
+neither applies EXIF orientation (``tests/model/test_image_decode.py`` checks
+equality byte for byte). It also decodes a JPEG on a CUDA device (nvJPEG) for
+``--preprocess-device cuda``.
 
-Only the cases proven equal take this path: baseline 8-bit JPEG in RGB or
-grayscale, and 8-bit RGB or grayscale PNG; anything else (CMYK, palettes,
-alpha, 16-bit, GIF, WebP, in-process PIL images) goes through PIL's
-``decode_image`` as before. The pixel caps are checked on PIL's header read
-first, before any decoding, in both paths.
+Only baseline 8-bit JPEG in RGB or grayscale takes this path; anything else
+goes through PIL's ``decode_image``. PNG does too, although torchvision
+decodes it to the same pixels: torchvision's libpng error handling crashes
+the process (SIGSEGV) on corrupt deflate data in an IDAT chunk, and a network
+peer must never be able to kill the encoder; PIL refuses such a file with an
+error, at about the same speed. The pixel caps are checked on PIL's header
+read first, before any decoding, in both paths.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ from epd_trio.model.media import MediaLimits, decode_image, item_error
 
 __all__ = ["decode_image_tensor", "fast_format"]
 
-# (PIL format, PIL mode) pairs whose torchvision decode equals PIL's convert("RGB").
-_FAST = frozenset({("JPEG", "RGB"), ("JPEG", "L"), ("PNG", "RGB"), ("PNG", "L")})
+# (PIL format, PIL mode) pairs whose torchvision decode equals PIL's convert("RGB") and that
+# are safe to give it (not PNG: see the module docstring).
+_FAST = frozenset({("JPEG", "RGB"), ("JPEG", "L")})
 _RGB = 3  # torchvision.io.ImageReadMode.RGB
-_PNG_BIT_DEPTH_AT = 24  # IHDR: 8-byte signature, 4 length, 4 type, 4 width, 4 height, then depth
 
 
 def _image_ops() -> Any:
@@ -48,7 +50,7 @@ def _image_ops() -> Any:
 
 
 def fast_format(data: bytes, index: int, limits: MediaLimits) -> str | None:
-    """``"JPEG"``/``"PNG"`` when torchvision decodes ``data`` exactly as PIL does, else None.
+    """``"JPEG"`` when torchvision decodes ``data`` exactly as PIL does (and safely), else None.
 
     Reads the header only; a header over the pixel caps is refused here.
     """
@@ -63,11 +65,7 @@ def fast_format(data: bytes, index: int, limits: MediaLimits) -> str | None:
         return None  # decode_image names the problem
     if width * height > limits.max_image_pixels or width <= 0 or height <= 0:
         return None  # decode_image refuses it with the usual message
-    if kind not in _FAST:
-        return None
-    if kind[0] == "PNG" and (len(data) <= _PNG_BIT_DEPTH_AT or data[_PNG_BIT_DEPTH_AT] != 8):
-        return None
-    return kind[0]
+    return kind[0] if kind in _FAST else None
 
 
 def decode_image_tensor(data: Any, index: int, limits: MediaLimits, device: str = "cpu") -> Any:
@@ -88,8 +86,6 @@ def decode_image_tensor(data: Any, index: int, limits: MediaLimits, device: str 
     # compressed size only.
     raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     try:
-        if fmt == "PNG":
-            return ops.decode_png(raw, _RGB, False)
         if torch.device(device).type == "cuda":
             return ops.decode_jpegs_cuda([raw], _RGB, torch.device(device))[0]
         return ops.decode_jpeg(raw, _RGB, False)

@@ -17,6 +17,8 @@ import base64
 import binascii
 import hashlib
 import io
+import os
+import stat
 from contextlib import aclosing
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -133,6 +135,27 @@ OFFLOAD_BYTES: Final = 1 << 20
 OFFLOAD_THREADS: Final = 2
 
 
+def _read_regular_file(path: Path, limit: int, index: int, shown: str) -> bytes:
+    """A regular file's bytes, at most ``limit`` of them; anything else is refused.
+
+    Opened without blocking and checked on the open descriptor, so a FIFO or a
+    device (whose read may never end, in a thread no cancellation can stop) is
+    refused even if it replaced the file after the path was resolved; the read
+    is bounded too, since the file may have grown.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as file:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise item_error(index, f"{shown[:200]} is not a regular file")
+        if info.st_size > limit:
+            raise PayloadTooLargeError(f"item {index}: file is over {limit} bytes")
+        data = file.read(limit + 1)
+    if len(data) > limit:
+        raise PayloadTooLargeError(f"item {index}: file is over {limit} bytes")
+    return data
+
+
 class MediaLoader:
     """Turns items into bytes or images; owns the HTTP client used for URLs."""
 
@@ -223,6 +246,8 @@ class MediaLoader:
             raise item_error(index, f"fetching {url} took over {self.limits.fetch_timeout} s") from None
         except httpx.InvalidURL:
             raise item_error(index, "the URL is not valid") from None
+        except UnicodeError:  # an IDNA host that is no name (xn--), here or in a redirect
+            raise item_error(index, "the URL's host is not a valid name") from None
         except httpx.HTTPError as exc:
             raise item_error(index, f"fetching {url} failed: {type(exc).__name__}") from None
 
@@ -274,10 +299,8 @@ class MediaLoader:
             real_root = await trio.Path(root).resolve()
             if not resolved.is_relative_to(real_root):
                 raise item_error(index, "path is outside the media root")
-            size = (await resolved.stat()).st_size
-            if size > self.limits.max_item_bytes:
-                raise PayloadTooLargeError(f"item {index}: file is over {self.limits.max_item_bytes} bytes")
-            return await resolved.read_bytes()
+            return await trio.to_thread.run_sync(_read_regular_file, resolved,
+                                                 self.limits.max_item_bytes, index, path)
         # OSError: missing, a directory, not a directory, no permission, a name too long;
         # ValueError: a NUL byte; RuntimeError: a symlink loop (Python 3.11's resolve)
         except (OSError, ValueError, RuntimeError) as exc:

@@ -6,7 +6,7 @@ checkpoint's own (``AutoImageProcessor``, ``AutoVideoProcessor``,
 ``AutoFeatureExtractor``), so inputs equal what transformers' own pipeline
 produces. One code path per modality:
 
-- image: decode (torchvision for 8-bit JPEG/PNG, same pixels as PIL; PIL for
+- image: decode (torchvision for 8-bit JPEG, same pixels as PIL; PIL for
   the rest: ``image_decode.py``) → image processor, run on ``device`` when
   one is given (the fast processor's ``device=``; on CUDA the JPEG is decoded
   there too, on this thread's own stream, so it overlaps the forward);

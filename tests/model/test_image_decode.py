@@ -1,9 +1,11 @@
-"""torchvision decoding equals PIL's, and the device path equals the CPU path."""
+"""torchvision decoding (JPEG) equals PIL's, PNG is PIL's, and the device path equals the CPU path."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import numpy as np
@@ -46,8 +48,6 @@ FAST_CASES = [
     ("JPEG", "RGB", {"quality": 75, "subsampling": 0}),
     ("JPEG", "RGB", {"quality": 95, "progressive": True}),
     ("JPEG", "L", {}),
-    ("PNG", "RGB", {}),
-    ("PNG", "L", {}),
 ]
 
 
@@ -62,8 +62,9 @@ def test_torchvision_decode_equals_pil(fmt: str, mode: str, save: dict, size: tu
         assert np.array_equal(as_array(fast), np.asarray(decode_image(data, 0, LIMITS)))
 
 
-@pytest.mark.parametrize(("fmt", "mode"), [("JPEG", "CMYK"), ("PNG", "RGBA"), ("PNG", "P"),
-                                            ("PNG", "I;16"), ("GIF", "P"), ("WEBP", "RGB")])
+@pytest.mark.parametrize(("fmt", "mode"), [("JPEG", "CMYK"), ("PNG", "RGB"), ("PNG", "L"),
+                                            ("PNG", "RGBA"), ("PNG", "P"), ("PNG", "I;16"),
+                                            ("GIF", "P"), ("WEBP", "RGB")])
 def test_other_formats_go_through_pil(fmt: str, mode: str) -> None:
     image = random_image(40, 30, seed=1).convert("RGB" if mode == "I;16" else mode)
     if mode == "I;16":
@@ -73,6 +74,30 @@ def test_other_formats_go_through_pil(fmt: str, mode: str) -> None:
     out = decode_image_tensor(data, 0, LIMITS)
     assert isinstance(out, Image.Image) and out.mode == "RGB"
     assert np.array_equal(np.asarray(out), np.asarray(decode_image(data, 0, LIMITS)))
+
+
+# 40x30 RGB PNG whose first IDAT payload has byte 2 flipped (CRC fixed): corrupt deflate data.
+# torchvision 0.29's decode_png crashed the whole process on it (libpng error, then SIGSEGV).
+CORRUPT_IDAT_PNG = ("iVBORw0KGgoAAAANSUhEUgAAACgAAAAeCAIAAADRv8uKAAAAKklEQVR4nBLNMQEAAAgDIKf9O1vBzwcKkPTU"
+                    "h35ZxWKxWCwWi8VisVh8sgy2AEIoK7QCAAAAAElFTkSuQmCC")
+
+
+def test_a_corrupt_png_is_a_request_error_not_a_crash() -> None:
+    """In a child process: a regression would kill it (SIGSEGV), not the test run."""
+    script = (
+        "import base64\n"
+        "from epd_trio.errors import RequestError\n"
+        "from epd_trio.model.image_decode import decode_image_tensor\n"
+        "from epd_trio.model.media import MediaLimits\n"
+        f"data = base64.b64decode({CORRUPT_IDAT_PNG!r})\n"
+        "try:\n"
+        "    decode_image_tensor(data, 3, MediaLimits())\n"
+        "except RequestError as exc:\n"
+        "    print(exc.message)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.startswith("item 3: image cannot be decoded"), done.stdout
 
 
 def test_caps_and_bad_bytes_are_refused_as_before() -> None:

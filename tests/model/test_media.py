@@ -6,8 +6,11 @@ URLs are fetched from a real HTTP server on a loopback port (``media_server.py``
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
+import os
 import struct
+import threading
 import zlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -81,6 +84,8 @@ BAD = [
     ("object without url", [{"content_hash": "x"}], "item 0: an item object needs a string 'url'"),
     ("unknown name", ["http://nowhere.test/a.png"], r"item 0: cannot resolve host 'nowhere.test' \(gaierror\)"),
     ("no host", ["http://:80/a.png"], "item 0: the URL has no host"),
+    ("an IDNA host that is no name", [png_bytes(8, 8), "http://xn--/a.png"],
+     "item 1: the URL's host is not a valid name"),
 ]
 
 
@@ -202,6 +207,32 @@ async def test_media_root_escapes_are_refused(tmp_path: Path) -> None:
                         ("a\x00b", "ValueError"), ("loop", "(RuntimeError|OSError)")]:
         with pytest.raises(RequestError, match=f"item 0: cannot read .*: {error}"):  # a 400, not a 500
             await load([item], limits)
+
+
+async def test_a_fifo_under_the_media_root_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """A FIFO's read would block a thread no deadline can stop: refused before any read."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+
+    def writer_comes_and_goes() -> None:  # so a regression fails the test instead of hanging it
+        with contextlib.suppress(OSError):  # ENXIO: nobody has it open for reading (the fix)
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+    unblock = threading.Timer(5.0, writer_comes_and_goes)
+    unblock.start()
+    try:
+        with pytest.raises(RequestError, match="item 0: pipe is not a regular file"):
+            await load(["pipe"], MediaLimits(media_root=tmp_path))
+    finally:
+        unblock.cancel()
+
+
+async def test_a_file_is_read_up_to_the_cap(tmp_path: Path) -> None:
+    (tmp_path / "big.png").write_bytes(b"x" * 101)
+    with pytest.raises(PayloadTooLargeError, match="item 0: file is over 100 bytes"):
+        await load(["big.png"], MediaLimits(media_root=tmp_path, max_item_bytes=100))
+    (tmp_path / "ok.png").write_bytes(b"x" * 100)
+    assert await load(["ok.png"], MediaLimits(media_root=tmp_path, max_item_bytes=100)) == [b"x" * 100]
 
 
 def decode_error(data: bytes, limits: MediaLimits = MediaLimits()) -> str:
