@@ -20,10 +20,9 @@ read first, before any decoding, in both paths.
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
-from epd_trio.model.media import MediaLimits, decode_image, item_error
+from epd_trio.model.media import MediaLimits, decode_image, item_error, open_image
 
 __all__ = ["decode_image_tensor", "fast_format"]
 
@@ -57,7 +56,7 @@ def fast_format(data: bytes, index: int, limits: MediaLimits) -> str | None:
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with Image.open(io.BytesIO(data)) as image:
+        with open_image(data) as image:
             width, height = image.size
             kind = (image.format, image.mode)
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError,

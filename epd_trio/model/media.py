@@ -33,11 +33,14 @@ from epd_trio._util import first_leaf
 from epd_trio.errors import FetchRefusedError, PayloadTooLargeError, RequestError
 from epd_trio.model.fetch_rules import FetchRules, Pinned, Resolver, pin, resolve_host
 
-__all__ = ["MediaLimits", "MediaLoader", "decode_image", "is_frame_list", "item_error",
-           "media_http_client"]
+__all__ = ["IMAGE_FORMATS", "MediaLimits", "MediaLoader", "decode_image", "is_frame_list",
+           "item_error", "media_http_client", "open_image"]
 
 MediaItem = Any  # str | bytes | PIL.Image.Image | dict
 Loaded = Any  # bytes | PIL.Image.Image
+# The image formats PIL may open from a peer's bytes. Not every plugin it has: EPS would run
+# Ghostscript on them, and the rarer decoders are attack surface no model input needs.
+IMAGE_FORMATS: Final = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF", "MPO", "AVIF")
 
 
 @dataclass(frozen=True)
@@ -329,6 +332,14 @@ def is_frame_list(obj: object) -> bool:
             and all(_is_pil(f) or isinstance(f, np.ndarray) for f in obj))
 
 
+def open_image(data: bytes) -> Any:
+    """``PIL.Image.open`` of a peer's bytes, trying the ``IMAGE_FORMATS`` PIL has, no others."""
+    from PIL import Image
+
+    Image.init()  # every plugin registered (once): PIL's first open knows only five formats
+    return Image.open(io.BytesIO(data), formats=[f for f in IMAGE_FORMATS if f in Image.OPEN])
+
+
 def decode_image(data: Loaded, index: int, limits: MediaLimits) -> Any:
     """An RGB PIL image; the pixel cap is checked on the header, before decoding."""
     from PIL import Image, UnidentifiedImageError
@@ -341,7 +352,7 @@ def decode_image(data: Loaded, index: int, limits: MediaLimits) -> Any:
                                 f"{type(data).__name__} (a list of frames is a video)")
     else:
         try:
-            image = Image.open(io.BytesIO(data))
+            image = open_image(data)
             _check_pixels(image.size, index, limits)
             image.load()
         except UnidentifiedImageError:
@@ -362,7 +373,7 @@ def image_pixels(data: Loaded) -> int:
     if _is_pil(data):
         return data.size[0] * data.size[1]
     try:
-        with Image.open(io.BytesIO(data)) as image:
+        with open_image(data) as image:
             return image.size[0] * image.size[1]
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError,
             Image.DecompressionBombError, Image.DecompressionBombWarning):

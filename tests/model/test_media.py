@@ -241,6 +241,15 @@ def decode_error(data: bytes, limits: MediaLimits = MediaLimits()) -> str:
     return str(info.value)
 
 
+@pytest.mark.parametrize("fmt", ["EPS", "PPM", "ICO"])
+def test_only_the_listed_image_formats_are_opened(fmt: str) -> None:
+    """EPS would run Ghostscript on a peer's bytes; formats off the list are not images here."""
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16)).save(buf, format=fmt) if fmt != "EPS" else buf.write(
+        b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 16 16\nshowpage\n")
+    assert "item 3: bytes are not an image in a known format" in decode_error(buf.getvalue())
+
+
 def test_decode_bad_bytes() -> None:
     assert "item 3: bytes are not an image" in decode_error(b"hello, not an image")
     truncated = png_bytes(64, 64)[:200]
