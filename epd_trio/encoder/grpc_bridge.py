@@ -14,25 +14,35 @@ has ended, is refused as ``NotReadyError`` (``UNAVAILABLE``).
 ``unary`` wraps a trio handler into a grpcio one: the bearer token from the
 ``authorization`` metadata, the client's deadline handed to the handler, and
 every error mapped to a gRPC status in one place (``errors.grpc_status_name``).
+
+``DecodeGuard``, the server's interceptor, wraps every unary-request method's
+request deserializer: bytes protobuf cannot parse become an ``Undecodable``,
+which the method answers as a ``RequestError`` (``INVALID_ARGUMENT``, "the
+request is not a valid <message> message"), after ``unary``'s token check, as
+HTTP never parses an unauthenticated body. Left to itself, grpcio answers a
+deserializer's exception with ``UNKNOWN`` and the exception's Python type.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import grpc
 import trio
+from google.protobuf.message import DecodeError
 
 from epd_trio._http import BearerAuth
-from epd_trio.errors import AbortedError, DeadlineExceeded, EPDError, NotReadyError, grpc_status_name
+from epd_trio.errors import (AbortedError, DeadlineExceeded, EPDError, NotReadyError, RequestError,
+                             grpc_status_name)
 from epd_trio.protocol.grpc_messages import ERROR_TYPE_KEY
 
-__all__ = ["BridgeStatistics", "Call", "TrioBridge", "error_status", "unary"]
+__all__ = ["BridgeStatistics", "Call", "DecodeGuard", "TrioBridge", "Undecodable", "error_status", "unary"]
 
 log = logging.getLogger(__name__)
 
@@ -175,11 +185,14 @@ def unary(bridge: TrioBridge, handler: Handler, *, method: str,
         try:
             if auth is not None:
                 auth.check(dict(context.invocation_metadata()).get("authorization"), method)
+            if isinstance(request, Undecodable):
+                raise request.error()
             remaining = context.time_remaining()
             return await bridge.run(lambda: _with_deadline(handler, request, method, remaining), remaining)
         except Exception as exc:
             await abort(context, exc, method)
 
+    rpc.checks_undecodable = True  # type: ignore[attr-defined]  # DecodeGuard leaves it the check
     return rpc
 
 
@@ -196,3 +209,84 @@ async def abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) 
     kind = exc.type_name if isinstance(exc, EPDError) else "InternalError"
     context.set_trailing_metadata(((ERROR_TYPE_KEY, kind),))
     await context.abort(code, details)
+
+
+# ---- request bytes that are not the method's message ---------------------------------------
+class Undecodable:
+    """What a guarded request deserializer answers for bytes protobuf cannot parse."""
+
+    __slots__ = ("message_name",)
+
+    def __init__(self, message_name: str) -> None:
+        self.message_name = message_name
+
+    def __repr__(self) -> str:
+        return f"<Undecodable {self.message_name}>"
+
+    def error(self) -> RequestError:
+        return RequestError(f"the request is not a valid {self.message_name} message")
+
+
+def _message_name(deserializer: Callable[[bytes], Any]) -> str:
+    """``EncodeRequest.FromString`` → ``epd_trio.v1.EncodeRequest``."""
+    descriptor = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
+    return getattr(descriptor, "full_name", None) or "request"
+
+
+def _guarded_deserializer(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    name = _message_name(deserializer)
+
+    def deserialize(raw: bytes) -> Any:
+        try:
+            return deserializer(raw)
+        except DecodeError:
+            return Undecodable(name)
+
+    return deserialize
+
+
+def _guard(handler: Any, method: str) -> Any:
+    """``handler`` with its request deserializer guarded; its behaviour refuses an
+    ``Undecodable`` (unless it does so itself, as ``unary``'s do, after the token).
+    A handler we cannot wrap (sync, request-streaming) is left as grpcio has it."""
+    if handler.request_streaming or handler.request_deserializer is None:
+        return handler
+    field = "unary_stream" if handler.response_streaming else "unary_unary"
+    behaviour = getattr(handler, field)
+    if getattr(behaviour, "checks_undecodable", False):
+        wrapped = behaviour
+    elif inspect.isasyncgenfunction(behaviour):
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            if isinstance(request, Undecodable):
+                await abort(context, request.error(), method)
+            async for response in behaviour(request, context):
+                yield response
+    elif inspect.iscoroutinefunction(behaviour):
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:  # type: ignore[misc]
+            if isinstance(request, Undecodable):
+                await abort(context, request.error(), method)
+            return await behaviour(request, context)
+    else:
+        return handler
+    return handler._replace(request_deserializer=_guarded_deserializer(handler.request_deserializer),
+                            **{field: wrapped})
+
+
+class DecodeGuard(grpc.aio.ServerInterceptor):
+    """The server's interceptor: every unary-request method, of every service, answers
+    bytes that are not its message ``INVALID_ARGUMENT`` (``Undecodable``), not grpcio's
+    ``UNKNOWN``. Each method's handler is wrapped once, on its first call."""
+
+    def __init__(self) -> None:
+        self._guarded: dict[str, tuple[Any, Any]] = {}  # method → (grpcio's handler, ours)
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+                                handler_call_details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None:  # no such method: grpcio answers UNIMPLEMENTED
+            return None
+        method = handler_call_details.method
+        known = self._guarded.get(method)
+        if known is None or known[0] is not handler:
+            known = self._guarded[method] = (handler, _guard(handler, method))
+        return known[1]

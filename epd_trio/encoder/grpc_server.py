@@ -4,7 +4,9 @@ grpcio's server is asyncio-based, so it runs on a thread of its own with its
 own event loop (README, *gRPC under trio*, says why this over the other ways
 measured); every RPC's work is a trio task in this server's nursery, reached
 through ``grpc_bridge.TrioBridge``. It serves ``sglang.grpc.encoder.SglangEncoder``,
-``epd_trio.v1.Encoder``, ``grpc.health.v1.Health`` and server reflection.
+``epd_trio.v1.Encoder``, ``grpc.health.v1.Health`` and server reflection; on
+every unary-request method of them, bytes that are not its request message are
+``INVALID_ARGUMENT`` (``grpc_bridge.DecodeGuard``, the server's interceptor).
 
 ``open_grpc_server`` is an ``async with`` block: the thread, its loop and the
 bound port live exactly as long as it. Leaving it ends the health ``Watch``
@@ -32,7 +34,7 @@ from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto import sglang_encoder_pb2_grpc
 
 from epd_trio.encoder import grpc_native, grpc_sglang
-from epd_trio.encoder.grpc_bridge import TrioBridge
+from epd_trio.encoder.grpc_bridge import DecodeGuard, TrioBridge
 from epd_trio.encoder.grpc_health import HealthServicer
 from epd_trio.encoder.service import EncoderService
 from epd_trio.protocol.grpc_messages import MESSAGE_LIMIT
@@ -127,7 +129,7 @@ class _LoopThread:
 
     async def _serve(self) -> None:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        server = grpc.aio.server(options=self._options)
+        server = grpc.aio.server(options=self._options, interceptors=(DecodeGuard(),))
         self._build(server)
         port = server.add_insecure_port(self._address)  # raises when it cannot bind
         await server.start()

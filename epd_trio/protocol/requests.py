@@ -8,6 +8,7 @@ Field names follow SGLang's EPD encoder.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import re
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
@@ -23,6 +24,7 @@ __all__ = [
     "EncodeMeta",
     "EncodeRequest",
     "SendRequest",
+    "is_ipv6_address",
     "parse_abort_request",
     "parse_encode_request",
     "parse_json_body",
@@ -171,14 +173,25 @@ def _req_id(body: dict[str, Any]) -> str:
         raise RequestError(f"'req_id' must be a string of 1..{MAX_REQ_ID} characters") from None
 
 
+def is_ipv6_address(host: str) -> bool:
+    """``host`` (unbracketed) is an IPv6 address; the host regexes only take its characters."""
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def validate_endpoint(endpoint: object, *, bind: bool = False) -> str:
     """``tcp://host:port`` or ``ipc://path``; ``RequestError`` (400) otherwise.
 
-    Port 0 (an ephemeral port) only makes sense for ``bind``.
+    Port 0 (an ephemeral port) only makes sense for ``bind``; a bracketed host is an IPv6
+    address (``tcp://[::::]:5`` is refused here, not left to time out).
     """
     if not isinstance(endpoint, str) or len(endpoint) > 512:
         raise RequestError("a ZMQ endpoint must be a string of at most 512 characters")
-    if tcp := _TCP.fullmatch(endpoint):
+    tcp = _TCP.fullmatch(endpoint)
+    if tcp and (not tcp.group(1).startswith("[") or is_ipv6_address(tcp.group(1)[1:-1])):
         if not (0 if bind else 1) <= int(tcp.group(2)) <= 65535:
             raise RequestError(f"bad port in ZMQ endpoint {endpoint!r}")
         return endpoint

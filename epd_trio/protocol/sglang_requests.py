@@ -22,7 +22,7 @@ import pybase64
 
 from epd_trio.errors import RequestError
 from epd_trio.protocol.messages import MAX_REQ_ID
-from epd_trio.protocol.requests import Delivery, EncodeRequest
+from epd_trio.protocol.requests import Delivery, EncodeRequest, is_ipv6_address
 
 __all__ = [
     "DELIVERIES",
@@ -131,10 +131,17 @@ def _hashes(value: Any, count: int) -> list[str] | None:
     return None
 
 
+def _host_ok(host: str) -> bool:
+    """A host with a colon, bracketed or not, is an IPv6 address (``::::`` is not)."""
+    if host.startswith("["):
+        return is_ipv6_address(host[1:-1])
+    return ":" not in host or is_ipv6_address(host)
+
+
 def parse_host_port(value: object, name: str) -> str:
     """SGLang's ``host:port`` (an IPv6 host bracketed or not); 400 otherwise."""
     if not isinstance(value, str) or len(value) > 300 or not (m := _HOST_PORT.fullmatch(value)) \
-            or not 0 < int(m.group(2)) <= 65535:
+            or not 0 < int(m.group(2)) <= 65535 or not _host_ok(m.group(1)):
         raise RequestError(f"'{name}' must be 'host:port', got {value!r:.80}")
     return value
 

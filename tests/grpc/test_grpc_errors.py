@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 import pytest
 import trio
+from grpc_health.v1 import health_pb2
 
 from conftest import image_uri
 from epd_trio import errors
@@ -200,3 +201,70 @@ async def test_a_bug_is_internal_without_its_traceback(encoder: Any, caplog: pyt
     assert failed.details() == "internal error in the encoder"
     assert error_type(failed) == "InternalError"
     assert "ZeroDivisionError" in caplog.text  # the operator's log has it; the caller does not
+
+
+# ---- bytes that are not the request message ---------------------------------------------
+BAD_UTF8 = bytes.fromhex("0a02fffe")  # field 1, a string, whose bytes are not UTF-8
+TRUNCATED = b"\x0a\x09ab"  # field 1 says nine bytes; two follow
+UNDECODABLE_RPCS = [  # (method, its request message, the payloads it cannot parse)
+    ("/epd_trio.v1.Encoder/Encode", "epd_trio.v1.EncodeRequest", (BAD_UTF8, TRUNCATED)),
+    ("/epd_trio.v1.Encoder/Send", "epd_trio.v1.SendRequest", (BAD_UTF8, TRUNCATED)),
+    ("/epd_trio.v1.Encoder/Abort", "epd_trio.v1.AbortRequest", (BAD_UTF8, TRUNCATED)),
+    ("/epd_trio.v1.Encoder/GetModelInfo", "epd_trio.v1.ModelInfoRequest", (TRUNCATED,)),
+    ("/sglang.grpc.encoder.SglangEncoder/Encode", "sglang.grpc.encoder.EncodeRequest", (BAD_UTF8, TRUNCATED)),
+    ("/sglang.grpc.encoder.SglangEncoder/Send", "sglang.grpc.encoder.SendRequest", (BAD_UTF8, TRUNCATED)),
+    ("/sglang.grpc.encoder.SglangEncoder/SchedulerReceiveUrl", "sglang.grpc.encoder.SchedulerReceiveUrlRequest",
+     (BAD_UTF8, TRUNCATED)),
+    ("/grpc.health.v1.Health/Check", "grpc.health.v1.HealthCheckRequest", (BAD_UTF8, TRUNCATED)),
+]
+
+
+async def raw_rpc(server: Any, method: str, payload: bytes, *, stream: bool = False,
+                  metadata: tuple[tuple[str, str], ...] = ()) -> Any:
+    """Send ``payload`` as the request's bytes, unserialized: the answer's bytes, or the ``RpcError``."""
+    target = server.grpc.url.removeprefix("grpc://")
+
+    def call() -> Any:
+        with grpc.insecure_channel(target) as channel:
+            try:
+                if stream:
+                    return next(iter(channel.unary_stream(method)(payload, metadata=metadata, timeout=60)))
+                return channel.unary_unary(method)(payload, metadata=metadata, timeout=60)
+            except grpc.RpcError as exc:
+                return exc
+
+    return await trio.to_thread.run_sync(call)
+
+
+def assert_not_a_message(failed: Any, message_name: str, what: str) -> None:
+    assert isinstance(failed, grpc.RpcError), (what, failed)
+    assert failed.code() == grpc.StatusCode.INVALID_ARGUMENT, (what, failed.code(), failed.details())
+    assert failed.details() == f"the request is not a valid {message_name} message", what
+    assert "<class" not in failed.details() and "DecodeError" not in failed.details(), what
+    assert error_type(failed) == "RequestError", what
+
+
+async def test_bytes_that_are_not_the_request_message_are_invalid_argument(encoder: Any) -> None:
+    async with encoder(grpc_port=0) as (server, _):
+        for method, message_name, payloads in UNDECODABLE_RPCS:
+            for payload in payloads:
+                failed = await raw_rpc(server, method, payload)
+                assert_not_a_message(failed, message_name, f"{method} {payload!r}")
+        watched = await raw_rpc(server, "/grpc.health.v1.Health/Watch", BAD_UTF8, stream=True)
+        assert_not_a_message(watched, "grpc.health.v1.HealthCheckRequest", "Watch")
+        # the same methods still take their messages, as raw bytes too
+        info = await raw_rpc(server, "/epd_trio.v1.Encoder/GetModelInfo", b"")
+        health = await raw_rpc(server, "/grpc.health.v1.Health/Check", b"")
+    assert pb.ModelInfo.FromString(info).dim > 0
+    assert health_pb2.HealthCheckResponse.FromString(health).status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_the_token_is_checked_before_the_message_is(encoder: Any) -> None:
+    """As HTTP, which never parses an unauthenticated body: no token, UNAUTHENTICATED."""
+    async with encoder(grpc_port=0, auth_token=TOKEN, require_auth_for_encode=True) as (server, _):
+        without = [await raw_rpc(server, method, BAD_UTF8) for method in (
+            "/epd_trio.v1.Encoder/Encode", "/epd_trio.v1.Encoder/Abort",
+            "/sglang.grpc.encoder.SglangEncoder/Encode")]
+        with_token = await raw_rpc(server, "/epd_trio.v1.Encoder/Abort", BAD_UTF8, metadata=AUTH)
+    assert [f.code() for f in without] == [grpc.StatusCode.UNAUTHENTICATED] * 3
+    assert_not_a_message(with_token, "epd_trio.v1.AbortRequest", "Abort with the token")

@@ -92,3 +92,20 @@ def test_abort_bodies() -> None:
     assert parse_abort_request({"req_id": "r", "part_idx": 3}).part_idx == 3
     with pytest.raises(RequestError, match="'part_idx'"):
         parse_abort_request({"req_id": "r", "part_idx": "3"})
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://[::1]:7", "tcp://[fe80::1]:5000", "tcp://[::]:1", "tcp://[::ffff:10.0.0.1]:9",
+                                      "tcp://[2001:DB8:0:0:8:800:200C:417A]:65535", "tcp://10.0.0.1:5000",
+                                      "tcp://enc-0.svc.local:5000"])
+def test_good_tcp_endpoints(endpoint: str) -> None:
+    assert validate_endpoint(endpoint) == endpoint
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://[::::]:5", "tcp://[1:2:3:4:5:6:7:8:9]:5", "tcp://[12345::1]:5",
+                                      "tcp://[:1]:5", "tcp://[::1::2]:5", "tcp://[1.2.3.4]:5", "tcp://[::1.2.3]:5"])
+def test_a_bracketed_host_must_be_an_ipv6_address(endpoint: str) -> None:
+    with pytest.raises(RequestError, match="tcp://host:port") as refused:
+        validate_endpoint(endpoint)
+    assert refused.value.status_code == 400
+    with pytest.raises(RequestError, match="ZMQ endpoint must be tcp://host:port"):  # the body's deliver.endpoint
+        parse_encode_request({**BASE, "deliver": {"backend": "zmq", "endpoint": endpoint}})

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from epd_trio.errors import RequestError
 from epd_trio.protocol.sglang_requests import (
+    parse_host_port,
     parse_receive_url,
     parse_sglang_encode,
     parse_sglang_send,
@@ -132,3 +133,24 @@ def test_ports_are_ascii_digits() -> None:
     with pytest.raises(RequestError):
         parse_receive_url({"req_id": "r", "receive_count": 1, "receive_url": "h:\u0668\u0660",
                            "modality": "IMAGE"})
+
+
+@pytest.mark.parametrize("host", ["::::", "[::::]", "1:2:3:4:5:6:7:8:9", "[::1::2]", "12345::1", "::1.2.3"])
+def test_a_host_with_colons_must_be_an_ipv6_address(host: str) -> None:
+    with pytest.raises(RequestError, match="'prefill_host' must be 'host:port'") as refused:
+        parse_sglang_encode(body(prefill_host=host, embedding_port=5), backend="zmq_to_tokenizer", max_items=8)
+    assert refused.value.status_code == 400
+    with pytest.raises(RequestError, match="'prefill_host' must be 'host:port'"):
+        parse_sglang_send({"req_id": "r", "part_idx": 0, "embedding_size": 64, "prefill_host": host,
+                           "embedding_port": 5, "session_id": "10.0.0.2:12001", "buffer_address": 4096})
+    with pytest.raises(RequestError, match="'receive_url' must be 'host:port'"):
+        parse_receive_url({"req_id": "r", "receive_count": 1, "receive_url": f"[{host.strip('[]')}]:5",
+                           "modality": "IMAGE"})
+    with pytest.raises(RequestError, match="'session_id' must be 'host:port'"):
+        parse_host_port(f"{host.strip('[]')}:5", "session_id")  # unbracketed, as Mooncake's session ids
+
+
+@pytest.mark.parametrize("value", ["[::1]:9", "::1:9", "fe80::1:8998", "[::ffff:10.0.0.1]:5", "::ffff:10.0.0.1:5",
+                                   "10.0.0.2:12001", "enc-0.svc.local:1", "[2001:db8::]:65535"])
+def test_good_host_ports(value: str) -> None:
+    assert parse_host_port(value, "session_id") == value
