@@ -143,10 +143,12 @@ def _read_regular_file(path: Path, limit: int, index: int, shown: str) -> bytes:
 
     Opened without blocking and checked on the open descriptor, so a FIFO or a
     device (whose read may never end, in a thread no cancellation can stop) is
-    refused even if it replaced the file after the path was resolved; the read
-    is bounded too, since the file may have grown.
+    refused even if it replaced the file after the path was resolved (as is a
+    symlink put there since: ``O_NOFOLLOW``); the read is bounded too, since
+    the file may have grown.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, flags)
     with os.fdopen(fd, "rb") as file:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
