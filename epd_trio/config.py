@@ -161,6 +161,9 @@ class EncoderConfig:
     encoder_transfer_backend: str = _opt("zmq_to_scheduler", "with --api sglang, how embeddings "
                                          "reach SGLang: zmq_to_scheduler, zmq_to_tokenizer or "
                                          "mooncake (SGLang's own flag and values)")
+    sglang_max_early_calls: int = _opt(4096, "with --api sglang, most /scheduler_receive_url and "
+                                       "/scheduler_receive_meta_data calls waiting at once for "
+                                       "parts whose /encode has not come (→ 503)")
     request_timeout: float = _opt(180.0, "seconds a request may live, from arrival to delivery (→ 504)",
                                   sglang_env="SGLANG_ENCODER_REQ_TIMEOUT")
     send_timeout: float = _opt(60.0, "seconds one delivery may take (ZMQ send, Mooncake /send wait) (→ 504)",
@@ -217,7 +220,8 @@ class EncoderConfig:
         if self.encoder_transfer_backend not in SGLANG_BACKENDS:
             raise ValueError(f"encoder_transfer_backend must be one of {', '.join(SGLANG_BACKENDS)}, "
                              f"got {self.encoder_transfer_backend!r}")
-        for name in ("max_body_bytes", "max_items", "zmq_max_sockets", "zmq_sndhwm"):
+        for name in ("max_body_bytes", "max_items", "zmq_max_sockets", "zmq_sndhwm",
+                     "sglang_max_early_calls"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.heartbeat_interval <= 0:

@@ -80,7 +80,8 @@ async def open_deliveries(config: EncoderConfig) -> AsyncIterator[DeliveryContex
     async with PushSocketCache(max_sockets=config.zmq_max_sockets, idle_close=config.zmq_idle_close,
                                sndhwm=config.zmq_sndhwm) as zmq, \
             _maybe_mooncake(config) as mooncake:
-        yield DeliveryContext(zmq, mooncake, config.send_timeout, trio.CapacityLimiter(DELIVERY_THREADS))
+        yield DeliveryContext(zmq, mooncake, config.send_timeout, trio.CapacityLimiter(DELIVERY_THREADS),
+                              Rendezvous(max_early=config.sglang_max_early_calls))
 
 
 @asynccontextmanager

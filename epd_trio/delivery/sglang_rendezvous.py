@@ -14,6 +14,11 @@ that the table is empty once the traffic has gone. How the last ``MAX_ENDED``
 parts ended is remembered (a bounded table), so a caller that comes after its
 part was released is answered at once, with how it ended, instead of waiting out its
 timeout or hearing only that the part is unknown.
+
+Calls that wait for a part nobody has claimed yet are *early*: each is an open
+HTTP request that no admission bound has counted (``max_pending`` counts
+``/encode`` calls), so their number is bounded here, ``max_early``; one more is
+a 503 at once, with nothing registered.
 """
 
 from __future__ import annotations
@@ -25,11 +30,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 import trio
 
-from epd_trio.errors import ConflictError, DeadlineExceeded, EPDError, RequestError, UnknownRequestError
+from epd_trio.errors import (ConflictError, DeadlineExceeded, EPDError, OverloadedError, RequestError,
+                             UnknownRequestError)
 
-__all__ = ["MAX_ENDED", "Entry", "Rendezvous", "RendezvousStatistics"]
+__all__ = ["MAX_EARLY", "MAX_ENDED", "Entry", "Rendezvous", "RendezvousStatistics"]
 
 MAX_ENDED = 4096  # endings remembered: minutes of traffic, a few hundred KiB at most
+MAX_EARLY = 4096  # early waits at once: 256 pending parts × 16 tensor-parallel ranks
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,8 @@ class RendezvousStatistics:
     waiters: int  # handlers waiting for a claim or for sizes
     destinations: int  # registered, over all entries
     ended: int  # endings remembered (bounded by MAX_ENDED)
+    early: int  # of the waiters, those whose part is not claimed yet (bounded by max_early)
+    refused: int  # early calls turned away (503) since the table was made
 
 
 class Entry:
@@ -65,6 +74,11 @@ class Entry:
         """Until the next change; callers check their condition first, with no await between."""
         await self._changed.wait()
 
+    @property
+    def unclaimed(self) -> bool:
+        """Not yet held by a delivery (and never was: an entry is claimed at most once)."""
+        return not (self.claimed or self.closed)
+
     def publish_sizes(self, sizes: dict[str, int]) -> None:
         self.sizes = dict(sizes)
         self.notify()
@@ -81,10 +95,15 @@ class Entry:
 class Rendezvous:
     """The encoder's table of entries, keyed by SGLang's part id."""
 
-    def __init__(self, max_ended: int = MAX_ENDED) -> None:
+    def __init__(self, max_ended: int = MAX_ENDED, max_early: int = MAX_EARLY) -> None:
+        if max_early < 1:
+            raise ValueError(f"max_early must be at least 1, got {max_early}")
         self._entries: dict[str, Entry] = {}
         self._ended: OrderedDict[str, EPDError | None] = OrderedDict()  # req_id → its error
         self._max_ended = max_ended
+        self._max_early = max_early
+        self._early = 0  # waiters on unclaimed entries
+        self._refused = 0
 
     def check_not_ended(self, req_id: str) -> None:
         """Raise how ``req_id`` ended (its error, or a 404 saying it was delivered) if it did."""
@@ -103,13 +122,29 @@ class Rendezvous:
         if not entry.claimed and entry.waiters == 0 and self._entries.get(entry.req_id) is entry:
             del self._entries[entry.req_id]
 
+    def _admit(self, req_id: str) -> Entry:
+        """The entry a new waiter joins; a 503 if its part is unclaimed and the early bound is full."""
+        self.check_not_ended(req_id)
+        entry = self._entry(req_id)
+        if entry.unclaimed and self._early >= self._max_early:
+            self._refused += 1
+            self._drop_if_unused(entry)
+            raise OverloadedError(f"{self._early} calls already wait for parts with no /encode "
+                                  f"yet (at most {self._max_early}); retry later", req_id=req_id)
+        return entry
+
     @contextmanager
     def _waiting(self, entry: Entry) -> Iterator[None]:
+        early = entry.unclaimed  # counted as early until its entry is claimed (``claim``)
         entry.waiters += 1
+        if early:
+            self._early += 1
         try:
             yield
         finally:
             entry.waiters -= 1
+            if early and entry.unclaimed:  # else ``claim`` has taken it off already
+                self._early -= 1
             self._drop_if_unused(entry)
 
     # ---- the face's side ------------------------------------------------------
@@ -119,10 +154,9 @@ class Rendezvous:
 
         A different ``receive_count`` for the same part is a 400; no
         ``/encode`` within ``timeout`` withdraws the destination (504); a part
-        that has already ended answers how it ended.
+        that has already ended answers how it ended; too many early calls, a 503.
         """
-        self.check_not_ended(req_id)
-        entry = self._entry(req_id)
+        entry = self._admit(req_id)
         if entry.receive_count is not None and entry.receive_count != receive_count:
             self._drop_if_unused(entry)
             raise RequestError(f"receive_count {receive_count} differs from the "
@@ -145,9 +179,8 @@ class Rendezvous:
 
     async def wait_sizes(self, req_id: str, *, timeout: float) -> dict[str, int]:
         """``/scheduler_receive_meta_data``: the part's sizes once known (504 after ``timeout``);
-        its error if it failed first."""
-        self.check_not_ended(req_id)
-        entry = self._entry(req_id)
+        its error if it failed first; too many early calls, a 503."""
+        entry = self._admit(req_id)
         with self._waiting(entry):
             with trio.move_on_after(timeout):
                 while entry.sizes is None and entry.error is None and not entry.closed:
@@ -182,6 +215,7 @@ class Rendezvous:
         entry = self._entry(req_id)
         if entry.claimed:
             raise ConflictError(f"request {req_id!r} already has a live delivery", req_id=req_id)
+        self._early -= entry.waiters  # an unclaimed entry's waiters were all early
         entry.claimed = True
         entry.notify()
         return entry
@@ -202,7 +236,8 @@ class Rendezvous:
         entries = list(self._entries.values())
         return RendezvousStatistics(len(entries), sum(e.claimed for e in entries),
                                     sum(e.waiters for e in entries),
-                                    sum(len(e.destinations) for e in entries), len(self._ended))
+                                    sum(len(e.destinations) for e in entries), len(self._ended),
+                                    self._early, self._refused)
 
     def __repr__(self) -> str:
         s = self.statistics()

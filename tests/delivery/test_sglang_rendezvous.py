@@ -9,9 +9,10 @@ import trio
 import trio.testing
 
 from epd_trio.delivery.sglang_rendezvous import Rendezvous, RendezvousStatistics
-from epd_trio.errors import ConflictError, DeadlineExceeded, EncodeError, RequestError, UnknownRequestError
+from epd_trio.errors import (ConflictError, DeadlineExceeded, EncodeError, OverloadedError, RequestError,
+                             UnknownRequestError)
 
-EMPTY = RendezvousStatistics(0, 0, 0, 0, 0)
+EMPTY = RendezvousStatistics(0, 0, 0, 0, 0, 0, 0)
 
 
 @pytest.fixture
@@ -30,7 +31,7 @@ async def test_registrations_before_and_after_the_claim(clock: trio.testing.Mock
     async with trio.open_nursery() as nursery:
         nursery.start_soon(register, "h:1")
         await trio.sleep(3)
-        assert table.statistics() == RendezvousStatistics(1, 0, 1, 1, 0)
+        assert table.statistics() == RendezvousStatistics(1, 0, 1, 1, 0, 1, 0)
         entry = table.claim("r_local_part_0")
         await trio.testing.wait_all_tasks_blocked()
         assert returned == [("h:1", 3.0)]
@@ -39,7 +40,7 @@ async def test_registrations_before_and_after_the_claim(clock: trio.testing.Mock
     assert list(entry.destinations) == ["h:1", "h:2"] and entry.receive_count == 2
     assert [t for _, t in returned] == [3.0, 3.0, 3.0]
     table.release(entry)
-    assert table.statistics() == RendezvousStatistics(0, 0, 0, 0, 1)
+    assert table.statistics() == RendezvousStatistics(0, 0, 0, 0, 1, 0, 0)
 
 
 async def test_an_unclaimed_registration_is_withdrawn_at_its_deadline(clock: trio.testing.MockClock) -> None:
@@ -54,7 +55,7 @@ async def test_a_cancelled_registration_leaves_nothing(clock: trio.testing.MockC
     async with trio.open_nursery() as nursery:
         nursery.start_soon(lambda: table.register("gone", 1, "h:1", timeout=100))
         await trio.sleep(2)
-        assert table.statistics() == RendezvousStatistics(1, 0, 1, 1, 0)  # live: registered, waiting
+        assert table.statistics() == RendezvousStatistics(1, 0, 1, 1, 0, 1, 0)  # live: registered, waiting
         nursery.cancel_scope.cancel()  # the rank's HTTP client went away
     assert trio.current_time() == 2  # cancelled, not timed out
     assert table.statistics() == EMPTY
@@ -69,7 +70,7 @@ async def test_another_receive_count_is_a_400_and_a_second_claim_a_409(clock: tr
     with pytest.raises(ConflictError):
         table.claim("r")
     table.release(entry)
-    assert table.statistics() == RendezvousStatistics(0, 0, 0, 0, 1)
+    assert table.statistics() == RendezvousStatistics(0, 0, 0, 0, 1, 0, 0)
 
 
 async def test_sizes_wait_until_published_or_failed_or_timed_out(clock: trio.testing.MockClock) -> None:
@@ -94,7 +95,7 @@ async def test_sizes_wait_until_published_or_failed_or_timed_out(clock: trio.tes
     assert sorted(got, key=str) == sorted([
         ({"embedding_size": 8, "embedding_len": 2, "embedding_dim": 1}, 1.0),
         ("EncodeError", 2.0), ("UnknownRequestError", 3.0), ("DeadlineExceeded", 20.0)], key=str)
-    assert table.statistics() == RendezvousStatistics(2, 2, 0, 0, 1)  # sized and failed: still claimed
+    assert table.statistics() == RendezvousStatistics(2, 2, 0, 0, 1, 0, 0)  # sized and failed: still claimed
 
 
 async def test_late_callers_hear_how_the_part_ended_at_once(clock: trio.testing.MockClock) -> None:
@@ -107,7 +108,7 @@ async def test_late_callers_hear_how_the_part_ended_at_once(clock: trio.testing.
         await table.register("failed", 1, "h:1", timeout=50)
     with pytest.raises(UnknownRequestError):
         await table.wait_sizes("done", timeout=50)
-    assert trio.current_time() == 0 and table.statistics() == RendezvousStatistics(0, 0, 0, 0, 2)
+    assert trio.current_time() == 0 and table.statistics() == RendezvousStatistics(0, 0, 0, 0, 2, 0, 0)
     table.release(table.claim("third"))  # the oldest ending is forgotten: the memory is bounded
     assert table.statistics().ended == 2
     with pytest.raises(DeadlineExceeded):
@@ -165,3 +166,50 @@ async def test_a_remembered_error_is_raised_afresh_each_time(clock: trio.testing
         depths.append(len(traceback.extract_tb(info.value.__traceback__)))
         assert info.value is not failed.error and info.value.status_code == failed.error.status_code
     assert depths[0] == depths[1] == depths[2]  # a stored error re-raised would grow each time
+
+
+async def test_early_calls_are_bounded_and_a_claim_frees_their_places(clock: trio.testing.MockClock) -> None:
+    table = Rendezvous(max_early=3)
+    outcomes: list[str] = []
+
+    async def call(kind: str, req_id: str) -> None:
+        try:
+            if kind == "url":
+                await table.register(req_id, 1, "h:1", timeout=50)
+            else:
+                await table.wait_sizes(req_id, timeout=50)
+            outcomes.append(f"{kind} {req_id} ok")
+        except OverloadedError:
+            outcomes.append(f"{kind} {req_id} 503 at {trio.current_time()}")
+
+    async with trio.open_nursery() as nursery:
+        for kind, req_id in (("url", "a"), ("sizes", "a"), ("url", "b")):
+            nursery.start_soon(call, kind, req_id)
+        await trio.sleep(1)
+        assert table.statistics().early == 3
+        await call("url", "c")  # a new part
+        await call("sizes", "b")  # and a known but unclaimed one: both refused, nothing kept
+        assert outcomes == ["url c 503 at 1.0", "sizes b 503 at 1.0"]
+        assert table.statistics() == RendezvousStatistics(2, 0, 3, 2, 0, 3, 2)
+        a = table.claim("a")  # its two waiters are no longer early
+        await trio.testing.wait_all_tasks_blocked()
+        assert table.statistics().early == 1
+        nursery.start_soon(call, "sizes", "a")  # a claimed part's waiters are not bounded here
+        nursery.start_soon(call, "url", "d")
+        nursery.start_soon(call, "url", "e")
+        await trio.sleep(1)
+        assert table.statistics().early == 3
+        await call("url", "f")
+        a.publish_sizes({"embedding_size": 4, "embedding_len": 1, "embedding_dim": 1})
+        for req_id in "bde":
+            table.release(table.claim(req_id))
+        table.release(a)
+    assert outcomes.count("url f 503 at 2.0") == 1 and len(outcomes) == 9, outcomes
+    assert sum(o.endswith(" ok") for o in outcomes) == 6
+    assert trio.current_time() == 2  # every waiter was answered by a claim, none timed out
+    assert table.statistics() == RendezvousStatistics(0, 0, 0, 0, 4, 0, 3)
+
+
+def test_the_early_bound_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_early"):
+        Rendezvous(max_early=0)

@@ -11,6 +11,7 @@ Embeddings must equal the engine's own output bit for bit.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,8 @@ async def test_two_ranks_registering_before_and_after_encode(
     assert answers["a"].status_code == answers["b"].status_code == 200 and answers["a"].json() is None
     assert answers["encode"].status_code == 200 and answers["encode"].json() is None
     assert after["live_requests"] == 0 and after["sglang_rendezvous"] == {
-        "entries": 0, "claimed": 0, "waiters": 0, "destinations": 0, "ended": 1}
+        "entries": 0, "claimed": 0, "waiters": 0, "destinations": 0, "ended": 1, "early": 0,
+        "refused": 0}
     assert got_a == got_b and len(got_a) == 2
     results, tensors = decode_with_sglang(sglang_decoder, tmp_path, {
         "a": {"rid": rid, "messages": [got_a]}})
@@ -130,7 +132,29 @@ async def test_waits_are_bounded_and_leave_nothing(encoder: Any) -> None:
     assert unheard.status_code == 504 and unheard.json()["req_id"] == "unheard_local_part_0"
     assert no_sizes.status_code == 504
     assert after["live_requests"] == 0 and after["sglang_rendezvous"] == {
-        "entries": 0, "claimed": 0, "waiters": 0, "destinations": 0, "ended": 1}
+        "entries": 0, "claimed": 0, "waiters": 0, "destinations": 0, "ended": 1, "early": 0,
+        "refused": 0}
+
+
+async def test_early_calls_over_the_bound_are_a_503_at_once(encoder: Any) -> None:
+    registration = {"req_id": "early_local_part_0", "receive_count": 1, "receive_url": "127.0.0.1:9",
+                    "modality": "IMAGE"}
+    async with encoder(api="sglang", sglang_max_early_calls=1) as (_, http):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(http.post, "/scheduler_receive_url", json=registration))
+            await until(http, lambda s: s["sglang_rendezvous"]["early"] == 1)
+            refused = [await http.post("/scheduler_receive_meta_data",
+                                       json={"req_id": "other_local_part_0", "part_idx": 0}),
+                       await http.post("/scheduler_receive_url",
+                                       json={**registration, "receive_url": "127.0.0.1:10"})]
+            nursery.cancel_scope.cancel()  # the early rank goes away: its place is free again
+        after = await until(http, lambda s: s["sglang_rendezvous"]["early"] == 0)
+    for answer, req_id in zip(refused, ("other_local_part_0", "early_local_part_0")):
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["status"] == "error" and answer.json()["req_id"] == req_id
+        assert "at most 1" in answer.json()["message"]
+    assert after["sglang_rendezvous"] == {"entries": 0, "claimed": 0, "waiters": 0, "destinations": 0,
+                                          "ended": 0, "early": 0, "refused": 2}
 
 
 async def test_zmq_to_tokenizer_audio_grid_is_mel_frames_and_content_hash_is_checked(
