@@ -42,7 +42,8 @@ from epd_trio.errors import (AbortedError, DeadlineExceeded, EPDError, NotReadyE
                              grpc_status_name)
 from epd_trio.protocol.grpc_messages import ERROR_TYPE_KEY
 
-__all__ = ["BridgeStatistics", "Call", "DecodeGuard", "TrioBridge", "Undecodable", "error_status", "unary"]
+__all__ = ["BridgeStatistics", "Call", "DecodeGuard", "TrioBridge", "Undecodable", "decoded", "error_status",
+           "unary"]
 
 log = logging.getLogger(__name__)
 
@@ -177,15 +178,20 @@ def error_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 Handler = Callable[[Any, Call], Awaitable[Any]]
 
 
-def unary(bridge: TrioBridge, handler: Handler, *, method: str,
-          auth: BearerAuth | None = None) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
-    """A grpcio unary handler that runs ``handler(request, call)`` in trio."""
+def unary(bridge: TrioBridge, handler: Handler, *, method: str, auth: BearerAuth | None = None,
+          sees_undecodable: bool = False) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+    """A grpcio unary handler that runs ``handler(request, call)`` in trio.
+
+    Bytes that are not the method's message are refused here, after the token, unless
+    ``sees_undecodable``: then ``handler`` gets the ``Undecodable`` and refuses it through
+    ``decoded`` (``Encode`` does, to count it as a face counts every refused request).
+    """
 
     async def rpc(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             if auth is not None:
                 auth.check(dict(context.invocation_metadata()).get("authorization"), method)
-            if isinstance(request, Undecodable):
+            if isinstance(request, Undecodable) and not sees_undecodable:
                 raise request.error()
             remaining = context.time_remaining()
             return await bridge.run(lambda: _with_deadline(handler, request, method, remaining), remaining)
@@ -225,6 +231,13 @@ class Undecodable:
 
     def error(self) -> RequestError:
         return RequestError(f"the request is not a valid {self.message_name} message")
+
+
+def decoded(message: Any) -> Any:
+    """``message``, or its ``RequestError`` if its bytes did not decode."""
+    if isinstance(message, Undecodable):
+        raise message.error()
+    return message
 
 
 def _message_name(deserializer: Callable[[bytes], Any]) -> str:

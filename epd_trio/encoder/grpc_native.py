@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from epd_trio._http import BearerAuth
 from epd_trio._version import __version__
-from epd_trio.encoder.grpc_bridge import Call, TrioBridge, unary
+from epd_trio.encoder.grpc_bridge import Call, TrioBridge, decoded, unary
 from epd_trio.encoder.service import EncoderService
 from epd_trio.errors import EPDError, PayloadTooLargeError
 from epd_trio.protocol.grpc_messages import encode_body, meta_message
@@ -33,7 +33,7 @@ class _Native:
         config = self.service.config
         try:
             # grpcio's own limit is max(256 MiB, --max-body-bytes); ours is HTTP's, with HTTP's words.
-            if message.ByteSize() > config.max_body_bytes:
+            if decoded(message).ByteSize() > config.max_body_bytes:
                 raise PayloadTooLargeError(BODY_TOO_LARGE)
             request = parse_encode_request(encode_body(message), max_items=config.max_items)
         except EPDError as exc:
@@ -74,7 +74,8 @@ def native_servicer(service: EncoderService, bridge: TrioBridge) -> pb_grpc.Enco
     auth = BearerAuth(config.auth_token)
     data_auth = auth if config.require_auth_for_encode else None
     servicer = pb_grpc.EncoderServicer()
-    servicer.Encode = unary(bridge, native.encode, method="Encode", auth=data_auth)  # type: ignore[method-assign]
+    servicer.Encode = unary(bridge, native.encode, method="Encode", auth=data_auth,  # type: ignore[method-assign]
+                            sees_undecodable=True)
     servicer.Send = unary(bridge, native.send, method="Send", auth=data_auth)  # type: ignore[method-assign]
     servicer.Abort = unary(bridge, native.abort, method="Abort", auth=auth)  # type: ignore[method-assign]
     servicer.GetModelInfo = unary(bridge, native.model_info, method="GetModelInfo")  # type: ignore[method-assign]

@@ -23,7 +23,7 @@ from smg_grpc_proto import sglang_encoder_pb2 as pb
 from smg_grpc_proto import sglang_encoder_pb2_grpc as pb_grpc
 
 from epd_trio._http import BearerAuth
-from epd_trio.encoder.grpc_bridge import Call, TrioBridge, unary
+from epd_trio.encoder.grpc_bridge import Call, TrioBridge, decoded, unary
 from epd_trio.encoder.service import EncoderService
 from epd_trio.errors import ConflictError, EPDError, RequestError, UnknownRequestError
 from epd_trio.protocol.grpc_messages import sglang_encode_body
@@ -42,7 +42,7 @@ class _SGLang:
         config = self.service.config
         backend = config.encoder_transfer_backend
         try:
-            request = parse_sglang_encode(sglang_encode_body(message, backend), backend=backend,
+            request = parse_sglang_encode(sglang_encode_body(decoded(message), backend), backend=backend,
                                           max_items=config.max_items)
         except EPDError as exc:
             self.service.metrics.request("unknown", exc)  # counted as every face counts a refusal
@@ -95,7 +95,7 @@ def sglang_servicer(service: EncoderService, bridge: TrioBridge) -> Any:
     config, sglang = service.config, _SGLang(service)
     auth = BearerAuth(config.auth_token) if config.require_auth_for_encode else None
     servicer = pb_grpc.SglangEncoderServicer()
-    servicer.Encode = unary(bridge, sglang.encode, method="Encode", auth=auth)
+    servicer.Encode = unary(bridge, sglang.encode, method="Encode", auth=auth, sees_undecodable=True)
     servicer.Send = unary(bridge, sglang.send, method="Send", auth=auth)
     servicer.SchedulerReceiveUrl = unary(bridge, sglang.scheduler_receive_url,
                                          method="SchedulerReceiveUrl", auth=auth)

@@ -245,11 +245,14 @@ def assert_not_a_message(failed: Any, message_name: str, what: str) -> None:
 
 
 async def test_bytes_that_are_not_the_request_message_are_invalid_argument(encoder: Any) -> None:
-    async with encoder(grpc_port=0) as (server, _):
+    async with encoder(grpc_port=0) as (server, http):
         for method, message_name, payloads in UNDECODABLE_RPCS:
             for payload in payloads:
                 failed = await raw_rpc(server, method, payload)
                 assert_not_a_message(failed, message_name, f"{method} {payload!r}")
+        metrics = (await http.get("/metrics")).text
+        # each refused Encode is counted, as HTTP counts a body that does not parse
+        assert 'epd_encoder_requests_total{modality="unknown",outcome="RequestError"} 4.0' in metrics
         watched = await raw_rpc(server, "/grpc.health.v1.Health/Watch", BAD_UTF8, stream=True)
         assert_not_a_message(watched, "grpc.health.v1.HealthCheckRequest", "Watch")
         # the same methods still take their messages, as raw bytes too
