@@ -38,7 +38,8 @@ MAX_ENDPOINTS: Final = 64
 # not a guess: every message about a part carries these numbers, and msgpack stops at 2^64.
 MAX_PARTS: Final = 4096
 MAX_JSON_DEPTH: Final = 32
-_TCP: Final = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
+# an IPv6 host may name its zone after a bare '%' (libzmq reads it so), unreserved characters only
+_TCP: Final = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+(?:%[A-Za-z0-9._~-]+)?\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
 _IPC: Final = re.compile(r"ipc://([^\x00]+)")
 _MAX_IPC_PATH: Final = 107  # sun_path is 108 bytes with its NUL
 
@@ -186,7 +187,8 @@ def validate_endpoint(endpoint: object, *, bind: bool = False) -> str:
     """``tcp://host:port`` or ``ipc://path``; ``RequestError`` (400) otherwise.
 
     Port 0 (an ephemeral port) only makes sense for ``bind``; a bracketed host is an IPv6
-    address (``tcp://[::::]:5`` is refused here, not left to time out).
+    address (``tcp://[::::]:5`` is refused here, not left to time out), with or without a
+    zone id: ``tcp://[fe80::1%eth0]:5`` as libzmq takes it (an endpoint is no URL, so no ``%25``).
     """
     if not isinstance(endpoint, str) or len(endpoint) > 512:
         raise RequestError("a ZMQ endpoint must be a string of at most 512 characters")

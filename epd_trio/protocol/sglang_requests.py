@@ -41,7 +41,9 @@ MODALITIES: Final = ("IMAGE", "VIDEO", "AUDIO")
 DELIVERIES: Final = ("sglang_zmq", "sglang_mooncake")  # the deliveries this face's requests name
 MAX_RECEIVE_COUNT: Final = 64
 MIN_BASE64: Final = 32  # shorter strings are taken as paths
-_HOST_PORT: Final = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*|[A-Za-z0-9._-]+):([0-9]{1,5})")
+_ZONE: Final = r"(?:%[A-Za-z0-9._~-]+)?"  # an IPv6 host's zone id, as requests' ZMQ endpoints take it
+_HOST_PORT: Final = re.compile(rf"(\[[0-9A-Fa-f:.]+{_ZONE}\]|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*{_ZONE}|[A-Za-z0-9._-]+)"
+                               r":([0-9]{1,5})")
 _SHA256: Final = re.compile(r"sha256:([0-9A-Fa-f]{64})")
 
 
@@ -132,7 +134,8 @@ def _hashes(value: Any, count: int) -> list[str] | None:
 
 
 def _host_ok(host: str) -> bool:
-    """A host with a colon, bracketed or not, is an IPv6 address (``::::`` is not)."""
+    """A host with a colon, bracketed or not, is an IPv6 address (``::::`` is not), a zone
+    id (``fe80::1%eth0``) included: the endpoints it becomes are libzmq's, which reads it."""
     if host.startswith("["):
         return is_ipv6_address(host[1:-1])
     return ":" not in host or is_ipv6_address(host)

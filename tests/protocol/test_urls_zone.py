@@ -1,0 +1,170 @@
+"""IPv6 zone ids (``fe80::1%eth0``): one encoder URL however the zone is written, and the
+same zone grammar in ZMQ endpoints and SGLang's ``host:port``."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import socket
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+
+from epd_trio.bootstrap.registry import Registry
+from epd_trio.config import ClientConfig
+from epd_trio.errors import RequestError
+from epd_trio.protocol.requests import validate_endpoint
+from epd_trio.protocol.sglang_requests import parse_host_port, parse_sglang_encode
+from epd_trio.protocol.urls import ENCODER_SCHEMES, normalize_url
+
+
+@pytest.mark.parametrize(("raw", "normalized"), [
+    ("http://[fe80::1%25eth0]:8000", "http://[fe80::1%eth0]:8000"),  # RFC 6874's form
+    ("http://[fe80::1%eth0]:8000", "http://[fe80::1%eth0]:8000"),  # the bare form ip(8) prints
+    ("HTTP://[FE80:0:0:0:0:0:0:1%25Eth0]:8000/", "http://[fe80::1%Eth0]:8000"),  # a zone keeps its case
+    ("http://[fe80::1%25en%31]:8000", "http://[fe80::1%en1]:8000"),  # pct-encoded unreserved: decoded
+    ("http://[fe80::1%254]:8000", "http://[fe80::1%4]:8000"),  # an interface index
+    ("http://[fe80::1%4]:8000", "http://[fe80::1%4]:8000"),
+    ("https://[fe80::1%25a.b_c~d-e]:443/p/", "https://[fe80::1%a.b_c~d-e]:443/p"),
+    ("http://[2001:db8::1%25eth0]:8000", "http://[2001:db8::1%eth0]:8000"),  # not link-local: kept
+])
+def test_a_zone_id_is_written_one_way(raw: str, normalized: str) -> None:
+    assert normalize_url(raw) == normalized
+
+
+@pytest.mark.parametrize("raw", ["grpc://[fe80::1%eth0]:50051", "grpc://[fe80::1%25eth0]:50051",
+                                 "GRPC://[FE80::1%25eth0]/"])
+def test_a_grpc_url_keeps_rfc_6874s_form(raw: str) -> None:
+    """grpcio percent-decodes its target: a bare ``%12`` would reach it as byte 0x12."""
+    assert normalize_url(raw, schemes=ENCODER_SCHEMES, require_port=False).startswith(
+        "grpc://[fe80::1%25eth0]")
+
+
+def test_the_registry_and_a_clients_list_hold_one_entry_for_both_forms() -> None:
+    forms = ("http://[fe80::1%25eth0]:8000", "http://[fe80::1%eth0]:8000")
+    registry = Registry(max_failures=1, evicted_ttl=1.0)
+    assert [registry.register(normalize_url(url), 0.0) for url in forms] == [True, False]
+    assert registry.urls() == ["http://[fe80::1%eth0]:8000"]
+    assert ClientConfig(encoder_urls=forms).encoder_urls == ("http://[fe80::1%eth0]:8000",)
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    ("http://[fe80::1%25]:8000", "empty IPv6 zone id"),
+    ("http://[fe80::1%]:8000", "empty IPv6 zone id"),
+    ("http://[fe80::1%25e!t]:8000", "invalid IPv6 zone id"),  # a sub-delim: not RFC 6874's
+    ("http://[fe80::1%e!t]:8000", "invalid IPv6 zone id"),
+    ("http://[fe80::1%25e%2Ft]:8000", "invalid IPv6 zone id"),  # '/' no interface name holds
+    ("http://[fe80::1%25e%zz]:8000", "invalid IPv6 zone id"),  # no pct-encoding
+    ("http://[fe80::1%25%2541]:8000", "invalid IPv6 zone id"),  # encoded twice
+    ("http://[fe80::1%e%31]:8000", "invalid IPv6 zone id"),  # the bare form is not decoded
+    ("http://[fe80::1%25e@x]:8000", "invalid IPv6 zone id"),
+    ("http://[fe80::zz%25eth0]:8000", "not a valid URL|invalid IPv6"),  # the address still counts
+    ("http://[v1.x%25eth0]:8000", "invalid IPv6 host"),  # a zone needs an IPv6 address
+    ("http://[1.2.3.4%25eth0]:8000", "not a valid URL|invalid IPv6"),
+    ("http://[fe80::1%eth0]junk:8000", "text between its IPv6 host and its port"),  # not dropped
+    ("http://[::1]junk:8000", "text between its IPv6 host and its port"),
+])
+def test_a_bad_zone_id_is_a_400_that_says_so(raw: str, message: str) -> None:
+    with pytest.raises(RequestError, match=message) as refused:
+        normalize_url(raw)
+    assert refused.value.status_code == 400
+
+
+def _link_local() -> tuple[str, str, int]:
+    """A link-local address of this machine, its interface's name and index; else a skip
+    (glibc's getaddrinfo takes a zone on link-local addresses only)."""
+    try:
+        rows = Path("/proc/net/if_inet6").read_text().split()
+    except OSError:
+        pytest.skip("needs Linux's /proc/net/if_inet6")
+    for i in range(0, len(rows) - 5, 6):
+        address, index, _, scope, _, name = rows[i:i + 6]
+        if scope == "20" and re.fullmatch(r"[A-Za-z0-9._~-]+", name):
+            return str(ipaddress.IPv6Address(int(address, 16))), name, int(index, 16)
+    pytest.skip("no link-local IPv6 address here")
+
+
+@pytest.fixture
+def link_local_http() -> Iterator[tuple[str, str, int]]:
+    """An HTTP server on a link-local address: (address, interface, port)."""
+    address, name, index = _link_local()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    class Server(HTTPServer):
+        address_family = socket.AF_INET6
+
+    server = Server((address, 0, 0, index), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield address, name, server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def test_httpx_connects_with_the_normal_form(link_local_http: tuple[str, str, int]) -> None:
+    """httpx hands the host to getaddrinfo as written: ``%25eth0`` would name interface
+    ``25eth0`` there, which is why an http URL keeps the bare form."""
+    address, name, port = link_local_http
+    for written in (f"%25{name}", f"%{name}"):
+        url = normalize_url(f"http://[{address}{written}]:{port}")
+        assert httpx.get(url + "/", timeout=5.0).status_code == 204
+
+
+def test_grpcio_connects_with_the_normal_form() -> None:
+    """grpcio percent-decodes its target: the bare ``%04`` (index 4 to getaddrinfo) would be
+    the byte 0x04 there, which is why a grpc URL keeps ``%25``."""
+    grpc = pytest.importorskip("grpc")
+    from concurrent.futures import ThreadPoolExecutor
+
+    address, _, index = _link_local()
+    server = grpc.server(ThreadPoolExecutor(1))
+    port = server.add_insecure_port(f"[{address}%{index}]:0")
+    server.start()
+    try:
+        url = normalize_url(f"grpc://[{address}%{index:02d}]:{port}", schemes=ENCODER_SCHEMES)
+        with grpc.insecure_channel(url.removeprefix("grpc://")) as channel:  # as the client opens it
+            grpc.channel_ready_future(channel).result(timeout=5.0)
+    finally:
+        server.stop(None)
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://[fe80::1%eth0]:5000", "tcp://[fe80::1%4]:1",
+                                      "tcp://[2001:db8::1%a.b_c~d-e]:9"])
+def test_a_zmq_endpoint_may_name_a_zone_as_libzmq_reads_it(endpoint: str) -> None:
+    assert validate_endpoint(endpoint) == endpoint
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://[fe80::1%]:5", "tcp://[fe80::1%e!t]:5", "tcp://[fe80::1%e%31]:5",
+                                      "tcp://[1.2.3.4%eth0]:5", "tcp://[::::%eth0]:5", "tcp://host%eth0:5"])
+def test_a_zmq_endpoints_zone_follows_the_same_rules(endpoint: str) -> None:
+    with pytest.raises(RequestError, match="tcp://host:port"):
+        validate_endpoint(endpoint)
+
+
+@pytest.mark.parametrize("value", ["[fe80::1%eth0]:7", "fe80::1%eth0:7", "[fe80::1%4]:7"])
+def test_an_sglang_host_port_may_name_a_zone(value: str) -> None:
+    assert parse_host_port(value, "receive_url") == value
+
+
+@pytest.mark.parametrize("value", ["[fe80::1%]:7", "fe80::1%:7", "[fe80::1%e!t]:7", "[::::%eth0]:7",
+                                   "host%eth0:7", "10.0.0.1%eth0:7"])
+def test_an_sglang_host_ports_zone_follows_the_same_rules(value: str) -> None:
+    with pytest.raises(RequestError, match="'receive_url' must be 'host:port'"):
+        parse_host_port(value, "receive_url")
+
+
+def test_an_sglang_prefill_host_with_a_zone_is_bracketed_with_it() -> None:
+    body = {"req_id": "r_local_part_1", "modality": "IMAGE", "mm_items": ["http://h/x.png"],
+            "num_parts": 1, "part_idx": 0, "prefill_host": "fe80::1%eth0", "embedding_port": [7, 8]}
+    req = parse_sglang_encode(body, backend="zmq_to_tokenizer", max_items=8)
+    assert req.deliver.endpoints == ("[fe80::1%eth0]:7", "[fe80::1%eth0]:8")
