@@ -19,6 +19,7 @@ import httpx
 import pytest
 import torch
 import trio
+import trio.testing
 
 from conftest import data_uri, png_bytes
 from epd_trio.client import ClientConfig, EncoderClient, RemoteEncodeError, open_encoder_client
@@ -171,26 +172,35 @@ async def test_caller_cancellation_between_encode_and_send_releases_both_sides(
         assert client.statistics().mooncake.registered_regions == 1
 
 
+@pytest.fixture
+def steerable_clock() -> trio.testing.MockClock:
+    """Trio's clock at real speed, which a test can ``jump`` past a deadline (pytest-trio
+    runs a test that takes it under it)."""
+    return trio.testing.MockClock(rate=1.0)
+
+
 async def test_a_timeout_while_waiting_for_the_slot_releases_both_sides(
-        encoder_urls: list[str]) -> None:
+        encoder_urls: list[str], steerable_clock: trio.testing.MockClock) -> None:
+    # The request's deadline is on trio's clock: however long the encoders take to stage
+    # the parts (a loaded machine), the test makes it pass only once all three are staged
+    # and the request waits for its slot. A deadline that came early would leave
+    # wait_until_staged waiting for a request that is gone, and fail.
+    timeout, expired = 60.0, False
     async with mooncake_client(encoder_urls, pool_bytes=64 * KiB) as client:
         blocker = await client.pool.acquire(client.pool.capacity - 256)
-        staged_seen = 0
 
-        async def watch() -> None:
-            nonlocal staged_seen
-            async with httpx.AsyncClient(timeout=5) as http:
-                while True:
-                    staged_seen = max(staged_seen, await staged_regions(http, encoder_urls))
-                    await trio.sleep(0.02)
+        async def expire_once_staged() -> None:
+            nonlocal expired
+            await wait_until_staged(encoder_urls, 3, client)
+            expired = True
+            steerable_clock.jump(timeout)
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(watch)
+            nursery.start_soon(expire_once_staged)
             with pytest.raises(EncodeTimeout):
-                await client.encode({"image": IMAGES}, timeout=3.0)
-            nursery.cancel_scope.cancel()
+                await client.encode({"image": IMAGES}, timeout=timeout)
         blocker.release()
-        assert staged_seen == 3  # the abort came between /encode and /send
+        assert expired  # the deadline, and the abort, came between /encode and /send
         assert client.statistics().aborts_sent == 3
         assert_clean(client)
         await wait_encoders_released(encoder_urls)
@@ -251,10 +261,20 @@ class Partitioned(httpx.AsyncBaseTransport):
 
 
 async def test_an_unconfirmed_abort_holds_the_slot_before_the_pool_reuses_it(
-        encoder_urls: list[str]) -> None:
+        encoder_urls: list[str], steerable_clock: trio.testing.MockClock) -> None:
+    timeout = 60.0  # passed by a jump once the request holds its slot, however slow the encoder
+
+    async def expire_once_the_slot_is_held() -> None:
+        with trio.fail_after(15):
+            while client.pool.statistics().slots < 1:  # staged, sized, its /send never lands
+                await trio.sleep(0.02)
+        steerable_clock.jump(timeout)
+
     async with mooncake_client(encoder_urls[:1], http_transport=Partitioned(), abort_hold=1.0) as client:
-        with pytest.raises(EncodeTimeout):
-            await client.encode({"image": IMAGES[:1]}, req_id="held", timeout=3.0)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(expire_once_the_slot_is_held)
+            with pytest.raises(EncodeTimeout):
+                await client.encode({"image": IMAGES[:1]}, req_id="held", timeout=timeout)
         held = client.statistics()
         assert held.slots_held_after_abort == 1 and held.aborts_failed == 1, held
         assert held.pool.slots == 1 and held.pool.used_bytes > 0  # not handed to the next request

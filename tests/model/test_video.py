@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -244,6 +245,18 @@ async def test_videos_run_alone_and_images_still_batch(checkpoints: dict[str, st
         images_alone = [await engine.encode([image]) for image in images]
         before = engine.statistics().batches_run
         mixed: list = [None] * (len(items) + len(images))
+        # Preprocessing ends when the CPU lets it (a loaded machine spreads it past
+        # coalesce_delay): each request waits, once preprocessed, until all seven are, so
+        # they reach the scheduler's queue together, videos and images interleaved.
+        preprocess, waiting, all_preprocessed = engine.preprocess_step, [0], trio.Event()
+
+        async def preprocess_then_wait_for_all(loaded: Any, modality: str, indices: Any) -> Any:
+            pre = await preprocess(loaded, modality, indices)
+            waiting[0] += 1
+            if waiting[0] == len(mixed):
+                all_preprocessed.set()
+            await all_preprocessed.wait()
+            return pre
 
         async def mixed_call(i: int) -> None:
             if i < len(items):
@@ -251,11 +264,13 @@ async def test_videos_run_alone_and_images_still_batch(checkpoints: dict[str, st
             else:
                 mixed[i] = await engine.encode([images[i - len(items)]])
 
+        engine.preprocess_step = preprocess_then_wait_for_all
         async with trio.open_nursery() as nursery:
             for i in range(len(mixed)):
                 nursery.start_soon(mixed_call, i)
-        # Each video is a batch of its own: fewer batches than requests means images shared one.
-        assert engine.statistics().batches_run - before < len(mixed), "images did not batch"
+        engine.preprocess_step = preprocess
+        # Each video is a batch of its own; the four images, queued among them, share one.
+        assert engine.statistics().batches_run - before == len(items) + 1, "images did not batch"
     for mine, ref in zip(together + mixed, alone + alone + images_alone):
         assert mine.grid_thw == ref.grid_thw
         assert rel_err(mine.embedding, ref.embedding) < 1e-5
