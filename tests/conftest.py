@@ -77,6 +77,92 @@ def png_bytes(width: int, height: int, seed: int = 0) -> bytes:
     return buf.getvalue()
 
 
+def jpeg_bytes(width: int, height: int, seed: int = 0, **save: Any) -> bytes:
+    buf = io.BytesIO()
+    random_image(width, height, seed).save(buf, format="JPEG", quality=90, **save)
+    return buf.getvalue()
+
+
+def corrupt_jpegs() -> dict[str, bytes]:
+    """JPEGs whose headers PIL reads (so they take the torchvision / nvJPEG path) but whose
+    data is damaged: what a peer could send to crash a decoder."""
+    out: dict[str, bytes] = {}
+    for kind, good in (("baseline", jpeg_bytes(64, 48, seed=1)),
+                       ("progressive", jpeg_bytes(64, 48, seed=2, progressive=True))):
+        sos = good.index(b"\xff\xda")
+        scan = sos + 2 + int.from_bytes(good[sos + 2:sos + 4], "big")
+        middle = (scan + len(good)) // 2
+        flipped = bytearray(good)
+        flipped[middle:middle + 16] = bytes(b ^ 0xFF for b in good[middle:middle + 16])
+        dht = good.index(b"\xff\xc4")
+        bad_table = bytearray(good)
+        bad_table[dht + 5:dht + 21] = b"\xff" * 16  # code counts: far more codes than the table has
+        out |= {
+            f"{kind} cut in its header": good[:scan + 4],
+            f"{kind} cut mid-scan": good[:middle],
+            f"{kind} without EOI": good[:-2],
+            f"{kind} scan bytes flipped": bytes(flipped),
+            f"{kind} Huffman counts overflow": bytes(bad_table),
+            f"{kind} restart marker in the scan": good[:middle] + b"\xff\xd3" + good[middle:],
+            f"{kind} scan replaced by zeros": good[:scan] + bytes(len(good) - scan - 2) + b"\xff\xd9",
+        }
+    return out
+
+
+CORRUPT_JPEG_SCRIPT = """
+import json, sys
+import torch
+from epd_trio.errors import RequestError
+from epd_trio.model.image_decode import decode_image_tensor
+from epd_trio.model.media import MediaLimits
+from conftest import corrupt_jpegs, jpeg_bytes
+
+device = sys.argv[1]
+good = jpeg_bytes(64, 48, seed=3)
+before = decode_image_tensor(good, 0, MediaLimits(), device).cpu()
+seen = {}
+for index, (name, data) in enumerate(corrupt_jpegs().items()):
+    try:
+        out = decode_image_tensor(data, index, MediaLimits(), device)
+        seen[name] = ["tensor", list(out.shape), str(out.device)] if isinstance(out, torch.Tensor) \
+            else ["pil", list(out.size)]
+    except RequestError as exc:
+        seen[name] = ["refused", exc.message]
+if device.startswith("cuda"):
+    torch.cuda.synchronize()
+after = decode_image_tensor(good, 0, MediaLimits(), device).cpu()
+print(json.dumps({"seen": seen, "still_decodes": bool(torch.equal(before, after))}))
+"""
+
+
+def decode_corrupt_jpegs_in_child(device: str) -> dict[str, Any]:
+    """``CORRUPT_JPEG_SCRIPT`` in a child process: a decoder that crashes kills it, not the
+    test run; a device left broken fails the good image decoded after the corpus."""
+    import json
+
+    tests = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", CORRUPT_JPEG_SCRIPT, device], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def assert_corrupt_jpegs_handled(result: dict[str, Any], device: str) -> None:
+    """Each damaged JPEG is refused as its item, or decoded at its header's size on ``device``."""
+    assert result["still_decodes"], "the good image decoded differently after the corpus"
+    names = list(corrupt_jpegs())
+    assert list(result["seen"]) == names
+    for index, name in enumerate(names):
+        outcome = result["seen"][name]
+        if outcome[0] == "refused":
+            assert outcome[1].startswith(f"item {index}: "), (name, outcome)
+            assert ".cpp" not in outcome[1] and "/" not in outcome[1], (name, outcome)  # no build path
+        else:
+            assert outcome == ["tensor", [3, 48, 64], device], (name, outcome)
+    assert any(o[0] == "refused" for o in result["seen"].values())  # the corpus is not all harmless
+
+
 def data_uri(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
 

@@ -174,3 +174,11 @@ async def test_device_preprocessing_on_cuda_equals_the_cpu_path(qwen25_path: str
         got_png, got_jpeg = await encode_all(engine, pngs), await encode_all(engine, jpegs)
     assert max(rel(g, w) for g, w in zip(got_png, want_png)) < 1e-4
     assert max(rel(g, w) for g, w in zip(got_jpeg, want_jpeg)) < 5e-2
+
+
+def test_damaged_jpegs_on_nvjpeg_are_refused_or_decoded_and_the_device_keeps_working() -> None:
+    """``--preprocess-device cuda`` hands a peer's JPEG to nvJPEG: a damaged one must be a 400
+    or a picture, never a crash or a device left failing (in a child process, as on the CPU)."""
+    from conftest import assert_corrupt_jpegs_handled, decode_corrupt_jpegs_in_child
+
+    assert_corrupt_jpegs_handled(decode_corrupt_jpegs_in_child("cuda:0"), "cuda:0")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from epd_trio.model.media import MediaLimits, decode_image, item_error, open_image
+from epd_trio.model.media import MediaLimits, decode_image, decoder_message, item_error, open_image
 
 __all__ = ["decode_image_tensor", "fast_format"]
 
@@ -89,4 +89,5 @@ def decode_image_tensor(data: Any, index: int, limits: MediaLimits, device: str 
             return ops.decode_jpegs_cuda([raw], _RGB, torch.device(device))[0]
         return ops.decode_jpeg(raw, _RGB, False)
     except RuntimeError as exc:
-        raise item_error(index, f"image cannot be decoded ({exc})") from None
+        raise item_error(index, f"image cannot be decoded ({decoder_message(exc)})") from None
+

@@ -18,6 +18,7 @@ import binascii
 import hashlib
 import io
 import os
+import re
 import stat
 from contextlib import aclosing
 from collections.abc import Sequence
@@ -33,8 +34,8 @@ from epd_trio._util import first_leaf
 from epd_trio.errors import FetchRefusedError, PayloadTooLargeError, RequestError
 from epd_trio.model.fetch_rules import FetchRules, Pinned, Resolver, pin, resolve_host
 
-__all__ = ["IMAGE_FORMATS", "MediaLimits", "MediaLoader", "decode_image", "is_frame_list",
-           "item_error", "media_http_client", "open_image"]
+__all__ = ["IMAGE_FORMATS", "MediaLimits", "MediaLoader", "decode_image", "decoder_message",
+           "is_frame_list", "item_error", "media_http_client", "open_image"]
 
 MediaItem = Any  # str | bytes | PIL.Image.Image | dict
 Loaded = Any  # bytes | PIL.Image.Image
@@ -71,6 +72,20 @@ class MediaLimits:
 
 def item_error(index: int, reason: str) -> RequestError:
     return RequestError(f"item {index}: {reason}")
+
+
+_SOURCE_PREFIX: Final = re.compile(r"^[\w.]+, \S+:\d+, (.+)$")  # "<op>, <file>:<line>, <message>"
+
+
+def decoder_message(exc: BaseException) -> str:
+    """What a native decoder or processor said, for a client's 400: its first line, without
+    torch's or torchvision's source path and line (``decode_jpeg, /__w/vision/...cpp:171,
+    Bogus Huffman table definition``), which is for the operator's log."""
+    lines = str(exc).strip().splitlines()
+    if not lines:
+        return type(exc).__name__
+    said = _SOURCE_PREFIX.match(lines[0])
+    return said.group(1) if said else lines[0]
 
 
 def scheme_refused(index: int, scheme: str) -> FetchRefusedError:

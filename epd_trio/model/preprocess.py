@@ -30,7 +30,8 @@ from epd_trio.errors import EPDError, ModelLoadError, PayloadTooLargeError, Requ
 from epd_trio.model.adapters import ModelAdapter, PreprocessResult
 from epd_trio.model.audio import decode_audio
 from epd_trio.model.image_decode import decode_image_tensor
-from epd_trio.model.media import MediaLimits, decode_image, image_pixels, is_frame_list, item_error
+from epd_trio.model.media import (MediaLimits, decode_image, decoder_message, image_pixels, is_frame_list,
+                                  item_error)
 from epd_trio.model.video import FrameSampling, decode_video, frames_clip, model_sampler
 
 __all__ = ["DECODERS", "EncoderPreprocessor", "preprocess_device"]
@@ -154,7 +155,7 @@ def _call(index: int, what: str, processor: Any, *args: Any, **kwargs: Any) -> d
     except EPDError:
         raise
     except (ValueError, RuntimeError, TypeError, OSError, IndexError) as exc:
-        raise RequestError(f"item {index}: the {what} refused it ({exc})") from None
+        raise RequestError(f"item {index}: the {what} refused it ({decoder_message(exc)})") from None
 
 
 def preprocess_device(device: str | None) -> Any:

@@ -13,11 +13,11 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import random_image
+from conftest import assert_corrupt_jpegs_handled, decode_corrupt_jpegs_in_child, random_image
 from epd_trio.errors import PayloadTooLargeError, RequestError
 from epd_trio.model.image_decode import decode_image_tensor, fast_format
 from epd_trio.model.loader import load_encoder
-from epd_trio.model.media import MediaLimits, decode_image
+from epd_trio.model.media import MediaLimits, decode_image, decoder_message
 from epd_trio.model.preprocess import EncoderPreprocessor
 
 LIMITS = MediaLimits()
@@ -98,6 +98,25 @@ def test_a_corrupt_png_is_a_request_error_not_a_crash() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert done.stdout.startswith("item 3: image cannot be decoded"), done.stdout
+
+
+def test_corrupt_jpegs_are_refused_or_decoded_never_a_crash() -> None:
+    """libjpeg-turbo on damaged data (in a child process: a crash kills it, not the run)."""
+    result = decode_corrupt_jpegs_in_child("cpu")
+    assert_corrupt_jpegs_handled(result, "cpu")
+    assert result["seen"]["baseline cut in its header"][0] == "refused"
+
+
+@pytest.mark.parametrize(("raised", "said"), [
+    (RuntimeError("decode_jpeg, /__w/vision/csrc/io/image/cpu/decode_jpeg.cpp:171, Bogus marker"),
+     "Bogus marker"),
+    (RuntimeError("shape '[2, 3]' is invalid for input of size 7\nException raised from x at a.cpp:1"),
+     "shape '[2, 3]' is invalid for input of size 7"),
+    (ValueError("Unable to infer channel dimension format"), "Unable to infer channel dimension format"),
+    (ValueError(""), "ValueError"),
+])
+def test_a_decoders_message_reaches_the_client_without_its_source_path(raised: Exception, said: str) -> None:
+    assert decoder_message(raised) == said
 
 
 def test_caps_and_bad_bytes_are_refused_as_before() -> None:
