@@ -1,0 +1,157 @@
+"""Benchmark: what ``DecodeGuard`` (the gRPC server's interceptor) costs per call.
+
+The guard makes bytes that are not a method's message ``INVALID_ARGUMENT``
+instead of grpcio's ``UNKNOWN``; it runs on every call of every method. Two
+measures, side by side in one run:
+
+* **in process**, on one asyncio loop: the interceptor's ``intercept_service``
+  against the bare continuation it wraps, the guarded request deserializer
+  against grpcio's, and the guarded handler against the bare one (µs per
+  call, best of ``--repeat``);
+* **end to end**: a ``grpc.aio`` server process serving
+  ``grpc.health.v1.Health/Check`` with and without the guard (servers taking
+  turns, ``--repeat`` turns), a blocking client in this process; latency per
+  call and the server process's CPU per call (from ``/proc``), medians.
+
+    python tools/bench_grpc_guard.py [--calls 3000] [--repeat 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from epd_trio.encoder.grpc_bridge import DecodeGuard
+
+CHECK = "/grpc.health.v1.Health/Check"
+
+
+class _Details:
+    """What grpcio hands an interceptor: the method's name (and metadata, unused here)."""
+
+    method = CHECK
+    invocation_metadata = ()
+
+
+async def _per_call(fn: Callable[[], Awaitable[Any]], calls: int) -> float:
+    started = time.perf_counter()
+    for _ in range(calls):
+        await fn()
+    return (time.perf_counter() - started) / calls * 1e6
+
+
+def in_process(calls: int, repeat: int) -> list[tuple[str, float, float]]:
+    """(what, bare µs, guarded µs), best of ``repeat``."""
+
+    async def main() -> list[tuple[str, float, float]]:
+        async def behaviour(request: Any, context: Any) -> Any:
+            return request
+
+        handler = grpc.unary_unary_rpc_method_handler(
+            behaviour, request_deserializer=health_pb2.HealthCheckRequest.FromString,
+            response_serializer=health_pb2.HealthCheckResponse.SerializeToString)
+
+        async def continuation(details: Any) -> Any:
+            return handler
+
+        guard, details = DecodeGuard(), _Details()
+        guarded = await guard.intercept_service(continuation, details)
+        raw = health_pb2.HealthCheckRequest(service="epd").SerializeToString()
+
+        async def plain_decode() -> Any:
+            return handler.request_deserializer(raw)
+
+        async def guarded_decode() -> Any:
+            return guarded.request_deserializer(raw)
+
+        request = health_pb2.HealthCheckRequest.FromString(raw)
+        rows = [("interceptor (find the handler)", lambda: continuation(details),
+                 lambda: guard.intercept_service(continuation, details)),
+                ("request deserializer", plain_decode, guarded_decode),
+                ("handler (checks for an undecodable request)", lambda: handler.unary_unary(request, None),
+                 lambda: guarded.unary_unary(request, None))]
+        out = []
+        for what, bare, wrapped in rows:
+            times = [(await _per_call(bare, calls), await _per_call(wrapped, calls)) for _ in range(repeat)]
+            out.append((what, min(t[0] for t in times), min(t[1] for t in times)))
+        return out
+
+    return asyncio.run(main())
+
+
+def _serve(guarded: bool, ports: Any) -> None:
+    async def main() -> None:
+        server = grpc.aio.server(interceptors=(DecodeGuard(),) if guarded else ())
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        ports.put(port)
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of every thread of ``pid``."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def end_to_end(guarded: bool, calls: int) -> tuple[float, float]:
+    """(latency µs, server CPU µs) per Check, one fresh server process."""
+    ports: Any = multiprocessing.Queue()
+    server = multiprocessing.Process(target=_serve, args=(guarded, ports), daemon=True)
+    server.start()
+    try:
+        port = ports.get(timeout=60)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            request = health_pb2.HealthCheckRequest()
+            for _ in range(200):  # warm: connection, handler lookups
+                check(request, timeout=10)
+            cpu, started = _cpu_seconds(server.pid), time.perf_counter()
+            for _ in range(calls):
+                check(request, timeout=10)
+            wall = time.perf_counter() - started
+            return wall / calls * 1e6, (_cpu_seconds(server.pid) - cpu) / calls * 1e6
+    finally:
+        server.kill()
+        server.join()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=3000, help="calls per end-to-end turn")
+    parser.add_argument("--repeat", type=int, default=5, help="turns per server kind")
+    args = parser.parse_args()
+    print("| in process (best of %d) | bare µs | guarded µs | added µs |" % args.repeat)
+    print("|---|---|---|---|")
+    for what, bare, wrapped in in_process(100_000, args.repeat):
+        print(f"| {what} | {bare:.2f} | {wrapped:.2f} | {wrapped - bare:+.2f} |")
+    runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    for turn in range(args.repeat):
+        for guarded in ((False, True) if turn % 2 == 0 else (True, False)):
+            runs[guarded].append(end_to_end(guarded, args.calls))
+    print()
+    print(f"| Health/Check end to end ({args.repeat} turns × {args.calls} calls) | latency µs, median "
+          "(range) | server CPU µs per call, median (range) |")
+    print("|---|---|---|")
+    for guarded in (False, True):
+        lat, cpu = ([r[i] for r in runs[guarded]] for i in (0, 1))
+        print(f"| {'with' if guarded else 'without'} DecodeGuard | {statistics.median(lat):.0f} "
+              f"({min(lat):.0f}–{max(lat):.0f}) | {statistics.median(cpu):.0f} ({min(cpu):.0f}–{max(cpu):.0f}) |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
