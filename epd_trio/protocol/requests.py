@@ -24,6 +24,7 @@ __all__ = [
     "EncodeMeta",
     "EncodeRequest",
     "SendRequest",
+    "ZMQ_ZONE",
     "is_ipv6_address",
     "parse_abort_request",
     "parse_encode_request",
@@ -38,8 +39,10 @@ MAX_ENDPOINTS: Final = 64
 # not a guess: every message about a part carries these numbers, and msgpack stops at 2^64.
 MAX_PARTS: Final = 4096
 MAX_JSON_DEPTH: Final = 32
-# an IPv6 host may name its zone after a bare '%' (libzmq reads it so), unreserved characters only
-_TCP: Final = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+(?:%[A-Za-z0-9._~-]+)?\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
+# An IPv6 host may name its zone after a bare '%', as libzmq reads it: a name starts with a
+# letter, anything else is read as an interface index ("25eth0" would be index 25), never 0.
+ZMQ_ZONE: Final = r"(?:%(?:[A-Za-z][A-Za-z0-9._~-]*|0*[1-9][0-9]*))?"
+_TCP: Final = re.compile(rf"tcp://(\[[0-9A-Fa-f:.]+{ZMQ_ZONE}\]|[A-Za-z0-9._-]+):([0-9]{{1,5}})")
 _IPC: Final = re.compile(r"ipc://([^\x00]+)")
 _MAX_IPC_PATH: Final = 107  # sun_path is 108 bytes with its NUL
 

@@ -22,7 +22,7 @@ import pybase64
 
 from epd_trio.errors import RequestError
 from epd_trio.protocol.messages import MAX_REQ_ID
-from epd_trio.protocol.requests import Delivery, EncodeRequest, is_ipv6_address
+from epd_trio.protocol.requests import ZMQ_ZONE, Delivery, EncodeRequest, is_ipv6_address
 
 __all__ = [
     "DELIVERIES",
@@ -41,8 +41,7 @@ MODALITIES: Final = ("IMAGE", "VIDEO", "AUDIO")
 DELIVERIES: Final = ("sglang_zmq", "sglang_mooncake")  # the deliveries this face's requests name
 MAX_RECEIVE_COUNT: Final = 64
 MIN_BASE64: Final = 32  # shorter strings are taken as paths
-_ZONE: Final = r"(?:%[A-Za-z0-9._~-]+)?"  # an IPv6 host's zone id, as requests' ZMQ endpoints take it
-_HOST_PORT: Final = re.compile(rf"(\[[0-9A-Fa-f:.]+{_ZONE}\]|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*{_ZONE}|[A-Za-z0-9._-]+)"
+_HOST_PORT: Final = re.compile(rf"(\[[0-9A-Fa-f:.]+{ZMQ_ZONE}\]|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*{ZMQ_ZONE}|[A-Za-z0-9._-]+)"
                                r":([0-9]{1,5})")
 _SHA256: Final = re.compile(r"sha256:([0-9A-Fa-f]{64})")
 

@@ -61,7 +61,7 @@ def normalize_url(raw: object, what: str = "url", *,
         raise RequestError(f"{what} must not carry credentials: {shown}")
     if parts.query or parts.fragment or raw.endswith(("?", "#")):
         raise RequestError(f"{what} must not have a query or fragment: {shown}")
-    if "]" in parts.netloc and not _AFTER_BRACKET.fullmatch(parts.netloc.rpartition("]")[2]):
+    if "]" in parts.netloc and not _AFTER_BRACKET.fullmatch(parts.netloc.partition("]")[2]):
         # urlsplit would drop "junk" from "[::1]junk:1": another string, the same encoder
         raise RequestError(f"{what} has text between its IPv6 host and its port: {shown}")
     host = _host(parts.hostname, what, shown)
@@ -77,6 +77,9 @@ def normalize_url(raw: object, what: str = "url", *,
     if zone:
         if ":" not in host:  # "[v1.x%eth0]": urlsplit reads an IPvFuture literal as a name
             raise RequestError(f"{what} has an invalid IPv6 host: {shown}")
+        if scheme != "grpc" and zone.startswith("25"):  # written bare, it would read back as %25…
+            raise RequestError(f"{what} has an IPv6 zone id starting with '25', which an http(s) "
+                               f"URL cannot hold unambiguously (name the interface): {shown}")
         host += ("%25" if scheme == "grpc" else "%") + zone
     netloc = f"[{host}]" if ":" in host else host
     netloc += f":{port}" if port else ""

@@ -34,6 +34,13 @@ from epd_trio.protocol.urls import ENCODER_SCHEMES, normalize_url
 ])
 def test_a_zone_id_is_written_one_way(raw: str, normalized: str) -> None:
     assert normalize_url(raw) == normalized
+    assert normalize_url(normalized) == normalized  # a registry's list is normalized again
+
+
+@pytest.mark.parametrize("raw", ["grpc://[fe80::1%2525]:1", "grpc://[fe80::1%25251]:1", "grpc://[fe80::1%25eth0]:1"])
+def test_a_grpc_zone_reads_back_the_same_even_when_it_starts_with_25(raw: str) -> None:
+    once = normalize_url(raw, schemes=ENCODER_SCHEMES)
+    assert once == raw and normalize_url(once, schemes=ENCODER_SCHEMES) == once
 
 
 @pytest.mark.parametrize("raw", ["grpc://[fe80::1%eth0]:50051", "grpc://[fe80::1%25eth0]:50051",
@@ -67,6 +74,10 @@ def test_the_registry_and_a_clients_list_hold_one_entry_for_both_forms() -> None
     ("http://[1.2.3.4%25eth0]:8000", "not a valid URL|invalid IPv6"),
     ("http://[fe80::1%eth0]junk:8000", "text between its IPv6 host and its port"),  # not dropped
     ("http://[::1]junk:8000", "text between its IPv6 host and its port"),
+    ("http://[::1]]:8000", "text between its IPv6 host and its port"),
+    ("http://[fe80::1]%eth0]:8000", "text between its IPv6 host and its port"),  # the zone not dropped
+    ("http://[fe80::1%2525]:8000", "starting with '25'"),  # bare "%25" would read back as empty
+    ("https://[fe80::1%25251]:8000", "starting with '25'"),  # ... or as zone "1"
 ])
 def test_a_bad_zone_id_is_a_400_that_says_so(raw: str, message: str) -> None:
     with pytest.raises(RequestError, match=message) as refused:
@@ -131,7 +142,9 @@ def test_grpcio_connects_with_the_normal_form() -> None:
     port = server.add_insecure_port(f"[{address}%{index}]:0")
     server.start()
     try:
-        url = normalize_url(f"grpc://[{address}%{index:02d}]:{port}", schemes=ENCODER_SCHEMES)
+        bare = f"{index:02d}"  # a bare zone of "25…" would read as RFC 6874's %25: write that then
+        written = f"%25{index}" if bare.startswith("25") else f"%{bare}"
+        url = normalize_url(f"grpc://[{address}{written}]:{port}", schemes=ENCODER_SCHEMES)
         with grpc.insecure_channel(url.removeprefix("grpc://")) as channel:  # as the client opens it
             grpc.channel_ready_future(channel).result(timeout=5.0)
     finally:
@@ -145,7 +158,10 @@ def test_a_zmq_endpoint_may_name_a_zone_as_libzmq_reads_it(endpoint: str) -> Non
 
 
 @pytest.mark.parametrize("endpoint", ["tcp://[fe80::1%]:5", "tcp://[fe80::1%e!t]:5", "tcp://[fe80::1%e%31]:5",
-                                      "tcp://[1.2.3.4%eth0]:5", "tcp://[::::%eth0]:5", "tcp://host%eth0:5"])
+                                      "tcp://[1.2.3.4%eth0]:5", "tcp://[::::%eth0]:5", "tcp://host%eth0:5",
+                                      # libzmq reads a zone not starting with a letter as an index:
+                                      # "%25eth0" would be interface 25, "%4x" 4; index 0 is none
+                                      "tcp://[fe80::1%25eth0]:5", "tcp://[fe80::1%4x]:5", "tcp://[fe80::1%0]:5"])
 def test_a_zmq_endpoints_zone_follows_the_same_rules(endpoint: str) -> None:
     with pytest.raises(RequestError, match="tcp://host:port"):
         validate_endpoint(endpoint)
@@ -157,7 +173,7 @@ def test_an_sglang_host_port_may_name_a_zone(value: str) -> None:
 
 
 @pytest.mark.parametrize("value", ["[fe80::1%]:7", "fe80::1%:7", "[fe80::1%e!t]:7", "[::::%eth0]:7",
-                                   "host%eth0:7", "10.0.0.1%eth0:7"])
+                                   "host%eth0:7", "10.0.0.1%eth0:7", "[fe80::1%25eth0]:7", "fe80::1%4x:7"])
 def test_an_sglang_host_ports_zone_follows_the_same_rules(value: str) -> None:
     with pytest.raises(RequestError, match="'receive_url' must be 'host:port'"):
         parse_host_port(value, "receive_url")
