@@ -113,7 +113,7 @@ CORRUPT_JPEG_SCRIPT = """
 import json, sys
 import torch
 from epd_trio.errors import RequestError
-from epd_trio.model.image_decode import decode_image_tensor
+from epd_trio.model.image_decode import decode_image_tensor, fast_format
 from epd_trio.model.media import MediaLimits
 from conftest import corrupt_jpegs, jpeg_bytes
 
@@ -122,6 +122,7 @@ good = jpeg_bytes(64, 48, seed=3)
 before = decode_image_tensor(good, 0, MediaLimits(), device).cpu()
 seen = {}
 for index, (name, data) in enumerate(corrupt_jpegs().items()):
+    assert fast_format(data, index, MediaLimits()) == "JPEG", name  # the decoder under test sees it
     try:
         out = decode_image_tensor(data, index, MediaLimits(), device)
         seen[name] = ["tensor", list(out.shape), str(out.device)] if isinstance(out, torch.Tensor) \

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing
 import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -88,13 +89,15 @@ def in_process(calls: int, repeat: int) -> list[tuple[str, float, float]]:
     return asyncio.run(main())
 
 
-def _serve(guarded: bool, ports: Any) -> None:
+def serve(guarded: bool) -> None:
+    """The server process: print the bound port, serve until killed."""
+
     async def main() -> None:
         server = grpc.aio.server(interceptors=(DecodeGuard(),) if guarded else ())
         health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        ports.put(port)
+        print(port, flush=True)
         await server.wait_for_termination()
 
     asyncio.run(main())
@@ -108,32 +111,40 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def end_to_end(guarded: bool, calls: int) -> tuple[float, float]:
-    """(latency µs, server CPU µs) per Check, one fresh server process."""
-    ports: Any = multiprocessing.Queue()
-    server = multiprocessing.Process(target=_serve, args=(guarded, ports), daemon=True)
-    server.start()
-    try:
-        port = ports.get(timeout=60)
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            check = health_pb2_grpc.HealthStub(channel).Check
-            request = health_pb2.HealthCheckRequest()
-            for _ in range(200):  # warm: connection, handler lookups
-                check(request, timeout=10)
-            cpu, started = _cpu_seconds(server.pid), time.perf_counter()
-            for _ in range(calls):
-                check(request, timeout=10)
-            wall = time.perf_counter() - started
-            return wall / calls * 1e6, (_cpu_seconds(server.pid) - cpu) / calls * 1e6
-    finally:
-        server.kill()
-        server.join()
+    """(latency µs, server CPU µs) per Check, one fresh server process (a new interpreter,
+    not a fork: grpcio does not survive a fork once it has run in the parent)."""
+    with subprocess.Popen([sys.executable, __file__, "--serve", "guarded" if guarded else "bare"],
+                          stdout=subprocess.PIPE, text=True) as server:
+        try:
+            return _measure(server, calls)
+        finally:
+            server.kill()
+
+
+def _measure(server: subprocess.Popen[str], calls: int) -> tuple[float, float]:
+    assert server.stdout is not None
+    port = int(server.stdout.readline())  # the server's first line; it exits on failure
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check
+        request = health_pb2.HealthCheckRequest()
+        for _ in range(200):  # warm: connection, handler lookups
+            check(request, timeout=10)
+        cpu, started = _cpu_seconds(server.pid), time.perf_counter()
+        for _ in range(calls):
+            check(request, timeout=10)
+        wall = time.perf_counter() - started
+        return wall / calls * 1e6, (_cpu_seconds(server.pid) - cpu) / calls * 1e6
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=3000, help="calls per end-to-end turn")
     parser.add_argument("--repeat", type=int, default=5, help="turns per server kind")
+    parser.add_argument("--serve", choices=("bare", "guarded"), help=argparse.SUPPRESS)  # the server
     args = parser.parse_args()
+    if args.serve:
+        serve(args.serve == "guarded")
+        return 0
     print("| in process (best of %d) | bare µs | guarded µs | added µs |" % args.repeat)
     print("|---|---|---|---|")
     for what, bare, wrapped in in_process(100_000, args.repeat):

@@ -241,8 +241,8 @@ class Rendezvous:
 
     def __repr__(self) -> str:
         s = self.statistics()
-        return (f"<Rendezvous {s.entries} entries, {s.claimed} claimed, {s.waiters} waiting, "
-                f"{s.destinations} destinations>")
+        return (f"<Rendezvous {s.entries} entries, {s.claimed} claimed, {s.waiters} waiting "
+                f"({s.early} early, {s.refused} refused), {s.destinations} destinations>")
 
 
 def _fresh(error: EPDError) -> EPDError:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from epd_trio._http import BearerAuth
 from epd_trio._version import __version__
-from epd_trio.encoder.grpc_bridge import Call, TrioBridge, decoded, unary
+from epd_trio.encoder.grpc_bridge import Call, TrioBridge, Undecodable, decoded, unary
 from epd_trio.encoder.service import EncoderService
 from epd_trio.errors import EPDError, PayloadTooLargeError
 from epd_trio.protocol.grpc_messages import encode_body, meta_message
@@ -29,7 +29,7 @@ class _Native:
     def __init__(self, service: EncoderService) -> None:
         self.service = service
 
-    async def encode(self, message: pb.EncodeRequest, call: Call) -> pb.EncodeResponse:
+    async def encode(self, message: pb.EncodeRequest | Undecodable, call: Call) -> pb.EncodeResponse:
         config = self.service.config
         try:
             # grpcio's own limit is max(256 MiB, --max-body-bytes); ours is HTTP's, with HTTP's words.

@@ -9,8 +9,9 @@ neither applies EXIF orientation (``tests/model/test_image_decode.py`` checks
 equality byte for byte). It also decodes a JPEG on a CUDA device (nvJPEG) for
 ``--preprocess-device cuda``.
 
-Only baseline 8-bit JPEG in RGB or grayscale takes this path; anything else
-goes through PIL's ``decode_image``. PNG does too, although torchvision
+Only 8-bit JPEG in RGB or grayscale (baseline or progressive: nvJPEG decodes
+a progressive one in software) takes this path; anything else goes through
+PIL's ``decode_image``. PNG does too, although torchvision
 decodes it to the same pixels: torchvision's libpng error handling crashes
 the process (SIGSEGV) on corrupt deflate data in an IDAT chunk, and a network
 peer must never be able to kill the encoder; PIL refuses such a file with an
@@ -22,7 +23,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from epd_trio.errors import OverloadedError
 from epd_trio.model.media import MediaLimits, decode_image, decoder_message, item_error, open_image
+from epd_trio.scheduling.failures import is_device_error, is_device_out_of_memory
 
 __all__ = ["decode_image_tensor", "fast_format"]
 
@@ -89,5 +92,9 @@ def decode_image_tensor(data: Any, index: int, limits: MediaLimits, device: str 
             return ops.decode_jpegs_cuda([raw], _RGB, torch.device(device))[0]
         return ops.decode_jpeg(raw, _RGB, False)
     except RuntimeError as exc:
+        if is_device_out_of_memory(exc):  # the device's state, not the image: retry later
+            raise OverloadedError(f"item {index}: the preprocessing device ({device}) is out of "
+                                  "memory") from None
+        if is_device_error(exc):  # the device failed: a 500 with the log's traceback, not a 400
+            raise
         raise item_error(index, f"image cannot be decoded ({decoder_message(exc)})") from None
-

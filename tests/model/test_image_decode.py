@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from conftest import assert_corrupt_jpegs_handled, decode_corrupt_jpegs_in_child, random_image
-from epd_trio.errors import PayloadTooLargeError, RequestError
+from epd_trio.errors import OverloadedError, PayloadTooLargeError, RequestError
 from epd_trio.model.image_decode import decode_image_tensor, fast_format
 from epd_trio.model.loader import load_encoder
 from epd_trio.model.media import MediaLimits, decode_image, decoder_message
@@ -117,6 +117,29 @@ def test_corrupt_jpegs_are_refused_or_decoded_never_a_crash() -> None:
 ])
 def test_a_decoders_message_reaches_the_client_without_its_source_path(raised: Exception, said: str) -> None:
     assert decoder_message(raised) == said
+
+
+@pytest.mark.parametrize(("raised", "expected"), [
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), OverloadedError),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), RuntimeError),
+    (RuntimeError("Error while decoding JPEG images: bad data"), RequestError),
+])
+def test_a_device_failure_while_decoding_is_not_the_images_fault(
+        monkeypatch: pytest.MonkeyPatch, raised: Exception, expected: type) -> None:
+    """Out of memory is a 503 (retry later), a failed device a 500 — neither a 400 that
+    blames the image (nor one that shows the device's memory figures)."""
+    import epd_trio.model.image_decode as image_decode
+
+    class Ops:
+        def decode_jpeg(self, *args: object) -> None:
+            raise raised
+
+    monkeypatch.setattr(image_decode, "_image_ops", Ops)
+    with pytest.raises(expected) as caught:
+        decode_image_tensor(encoded(random_image(16, 16), "JPEG"), 5, LIMITS)
+    assert type(caught.value) is expected
+    if expected is OverloadedError:
+        assert caught.value.message == "item 5: the preprocessing device (cpu) is out of memory"
 
 
 def test_caps_and_bad_bytes_are_refused_as_before() -> None:

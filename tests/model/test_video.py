@@ -255,7 +255,8 @@ async def test_videos_run_alone_and_images_still_batch(checkpoints: dict[str, st
             waiting[0] += 1
             if waiting[0] == len(mixed):
                 all_preprocessed.set()
-            await all_preprocessed.wait()
+            with trio.fail_after(60):  # fewer calls than requests (a cache, say) must not hang
+                await all_preprocessed.wait()
             return pre
 
         async def mixed_call(i: int) -> None:
