@@ -213,3 +213,53 @@ async def test_early_calls_are_bounded_and_a_claim_frees_their_places(clock: tri
 def test_the_early_bound_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_early"):
         Rendezvous(max_early=0)
+
+
+async def test_a_refused_encode_answers_its_early_callers_at_once(clock: trio.testing.MockClock) -> None:
+    table = Rendezvous()
+    heard: list[tuple[str, str, float]] = []
+
+    async def call(kind: str) -> None:
+        try:
+            if kind == "url":
+                await table.register("bad", 2, "h:1", timeout=100)
+            else:
+                await table.wait_sizes("bad", timeout=100)
+        except (RequestError, DeadlineExceeded) as exc:
+            heard.append((kind, type(exc).__name__, trio.current_time()))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call, "url")
+        nursery.start_soon(call, "sizes")
+        await trio.sleep(2)
+        assert table.refuse("bad", RequestError("modality 'TEXT' is not one of ...", req_id="bad"))
+    assert sorted(heard) == [("sizes", "RequestError", 2.0), ("url", "RequestError", 2.0)]
+    assert table.statistics() == RendezvousStatistics(0, 0, 0, 0, 1, 0, 0)
+    with pytest.raises(RequestError, match="TEXT"):  # a rank that registers later hears it too
+        await table.register("bad", 2, "h:2", timeout=100)
+    retried = table.claim("bad")  # the same part id again, admitted this time: a fresh entry
+    assert retried.error is None and retried.destinations == {}
+    assert not table.refuse("bad", RequestError("late"))  # a held part's waiters are its delivery's
+    assert retried.error is None
+    table.release(retried)
+
+
+async def test_a_refusal_while_callers_still_leave_does_not_taint_a_retry(
+        clock: trio.testing.MockClock) -> None:
+    table = Rendezvous()
+
+    async def refused_caller() -> None:
+        with pytest.raises(RequestError, match="refused"):
+            await table.wait_sizes("r", timeout=100)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(refused_caller)
+        await trio.sleep(1)
+        table.refuse("r", RequestError("refused", req_id="r"))
+        entry = table.claim("r")  # before the refused caller's task has run again
+    assert entry.error is None and entry.unclaimed is False
+    entry.publish_sizes({"embedding_size": 1, "embedding_len": 1, "embedding_dim": 1})
+    assert await table.wait_sizes("r", timeout=1) == {"embedding_size": 1, "embedding_len": 1,
+                                                      "embedding_dim": 1}
+    table.release(entry)
+    assert table.statistics().early == 0
