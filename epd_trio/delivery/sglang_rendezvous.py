@@ -167,14 +167,12 @@ class Rendezvous:
         with self._waiting(entry):
             try:
                 with trio.move_on_after(timeout):
-                    while not (entry.claimed or entry.closed) and entry.error is None:
+                    while not (entry.claimed or entry.closed):
                         await entry.wait_changed()
-            finally:  # timed out, refused, or the rank left (cancelled): nobody waits there any more
+            finally:  # timed out, or the rank left (cancelled): nobody waits there any more
                 held = entry.claimed or entry.closed
                 if not held:
                     self._withdraw(entry, destination)
-            if not held and entry.error is not None:  # its /encode was refused (``refuse``)
-                raise _fresh(entry.error)
             if not held:
                 raise DeadlineExceeded(f"no /encode for {req_id!r} arrived within {timeout} s",
                                        req_id=req_id)
@@ -229,24 +227,8 @@ class Rendezvous:
         entry.notify()
         if self._entries.get(entry.req_id) is entry:
             del self._entries[entry.req_id]
-        self._remember(entry.req_id, entry.error)
-
-    def refuse(self, req_id: str, error: EPDError) -> bool:
-        """A part's ``/encode`` was refused before any delivery held it: whoever waits for it
-        hears ``error`` now, not at its deadline, and so does a later caller. False (nothing
-        done) when a delivery holds the part: its waiters are that delivery's."""
-        entry = self._entries.get(req_id)
-        if entry is not None and not entry.unclaimed:
-            return False
-        self._remember(req_id, error)
-        if entry is not None:  # out of the table (a retried /encode starts afresh), then told
-            del self._entries[req_id]
-            entry.publish_error(error)  # an unclaimed entry's error: its /encode was refused
-        return True
-
-    def _remember(self, req_id: str, error: EPDError | None) -> None:
-        self._ended[req_id] = error
-        self._ended.move_to_end(req_id)
+        self._ended[entry.req_id] = entry.error
+        self._ended.move_to_end(entry.req_id)
         while len(self._ended) > self._max_ended:
             self._ended.popitem(last=False)
 

@@ -46,13 +46,8 @@ class _SGLang:
                                           max_items=config.max_items)
         except EPDError as exc:
             self.service.metrics.request("unknown", exc)  # counted as every face counts a refusal
-            self.service.refuse_early_callers(getattr(message, "req_id", None), exc)
             raise
-        try:
-            answer = await self.service.encode(request, deadline=call.request_deadline)
-        except EPDError as exc:
-            self.service.refuse_early_callers(request.req_id, exc)
-            raise
+        answer = await self.service.encode(request, deadline=call.request_deadline)
         if answer.nbytes is None:
             return pb.EncodeResponse()  # every destination has the part
         return pb.EncodeResponse(embedding_size=answer.nbytes, embedding_len=answer.meta.tokens,

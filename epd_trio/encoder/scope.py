@@ -195,10 +195,6 @@ class ScopeRegistry:
         if not self._live:
             self._idle.set()
 
-    def has_req_id(self, req_id: str) -> bool:
-        """Whether any part of ``req_id`` is live (an error path's question: it scans)."""
-        return any(key[0] == req_id for key in self._live)
-
     def get(self, key: Key) -> RequestScope:
         try:
             return self._live[key]

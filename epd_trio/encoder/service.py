@@ -38,7 +38,6 @@ from epd_trio.encoder.scope import Phase, RequestScope, ScopeRegistry
 from epd_trio.engine import Engine, ModelInfo
 from epd_trio.errors import (
     AbortedError,
-    ConflictError,
     DeadlineExceeded,
     EncodeError,
     EPDError,
@@ -107,15 +106,6 @@ class EncoderService:
     @property
     def model_info(self) -> ModelInfo:
         return self.engine.model_info
-
-    def refuse_early_callers(self, req_id: object, error: EPDError) -> None:
-        """An SGLang part's ``/encode`` was refused before a delivery held it: the ranks that
-        registered for it, or wait for its sizes, hear ``error`` now instead of at their
-        deadline (and so does a later one). Not for a duplicate, nor while a part of that id
-        is live: those waiters belong to the live part."""
-        if isinstance(req_id, str) and not isinstance(error, ConflictError) \
-                and not self.registry.has_req_id(req_id):
-            self.deliveries.rendezvous.refuse(req_id, error)
 
     async def encode(self, request: EncodeRequest, delivery: Delivery | None = None, *,
                      deadline: float | None = None) -> Answer:

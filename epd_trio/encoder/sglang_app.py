@@ -107,12 +107,10 @@ def encode_handler(service: EncoderService) -> Handler:
                                       max_items=config.max_items)
         except EPDError as exc:
             service.metrics.request("unknown", exc)
-            service.refuse_early_callers(body.get("req_id"), exc)
             return sglang_error_reply(exc, body.get("req_id"))
         try:
             answer = await service.encode(req)
         except EPDError as exc:
-            service.refuse_early_callers(req.req_id, exc)
             return sglang_error_reply(exc, req.req_id)
         if answer.nbytes is None:
             return json_reply(None)  # every destination has the part

@@ -157,31 +157,6 @@ async def test_early_calls_over_the_bound_are_a_503_at_once(encoder: Any) -> Non
                                           "ended": 0, "early": 0, "refused": 2}
 
 
-async def test_a_refused_encode_answers_the_ranks_that_registered_early(encoder: Any) -> None:
-    """SGLang's scheduler fails a request whose registration fails: with the refusal, at once,
-    not a 504 after --request-timeout (180 s by default)."""
-    registration = {"req_id": "bad_local_part_0", "receive_count": 1, "receive_url": "127.0.0.1:9",
-                    "modality": "IMAGE"}
-    answers: dict[str, Any] = {}
-
-    async def register(name: str) -> None:
-        answers[name] = await http.post("/scheduler_receive_url", json=registration)
-
-    async with encoder(api="sglang", request_timeout=120) as (_, http):
-        with trio.fail_after(30):  # far inside the registration's own 120 s
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(register, "early")
-                await until(http, lambda s: s["sglang_rendezvous"]["early"] == 1)
-                bad = await http.post("/encode", json=encode_body("bad", 0, 1, ["x"], modality="TEXT"))
-            await register("late")
-        after = await stats(http)
-    assert bad.status_code == 400
-    for name in ("early", "late"):
-        assert answers[name].status_code == 400, (name, answers[name].text)
-        assert answers[name].json() == bad.json(), name  # the same refusal, SGLang's error shape
-    assert after["sglang_rendezvous"]["early"] == 0 and after["sglang_rendezvous"]["entries"] == 0
-
-
 async def test_zmq_to_tokenizer_audio_grid_is_mel_frames_and_content_hash_is_checked(
         encoder_for: Any, sglang_decoder: Decoder, tmp_path: Path) -> None:
     tones = [sample_tone(0.8, hz=300.0), sample_tone(1.5, hz=220.0)]

@@ -232,25 +232,6 @@ async def test_invalid_requests_get_sglangs_messages(encoder: Any) -> None:
         in metrics, metrics
 
 
-async def test_a_refused_encode_fails_the_ranks_early_registration(encoder: Any) -> None:
-    """SchedulerReceiveUrl waiting for a part whose Encode is then refused hears that refusal."""
-    answers: dict[str, Any] = {}
-
-    async def register() -> None:
-        answers["rank"] = await call(server, lambda stub: stub.SchedulerReceiveUrl(
-            pb.SchedulerReceiveUrlRequest(req_id="bad", receive_url="127.0.0.1:9", receive_count=1),
-            timeout=60))
-
-    async with encoder(api="sglang", grpc_port=0, request_timeout=120) as (server, http):
-        with trio.fail_after(30):  # far inside the registration's own 120 s
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(register)
-                await until(http, lambda s: s["sglang_rendezvous"]["early"] == 1)
-                refused = await call(server, encode(req_id="bad", mm_items=[image_uri()], num_parts=0))
-    message = failed(refused, grpc.StatusCode.INVALID_ARGUMENT)
-    assert failed(answers["rank"], grpc.StatusCode.INVALID_ARGUMENT) == message
-
-
 async def test_an_encoder_failure_is_a_status_and_an_error_frame(
         encoder: Any, sglang_decoder: Decoder, tmp_path: Path) -> None:
     broken = "data:image/png;base64," + base64.b64encode(b"not a png").decode()
