@@ -162,8 +162,9 @@ class EncoderConfig:
                                          "reach SGLang: zmq_to_scheduler, zmq_to_tokenizer or "
                                          "mooncake (SGLang's own flag and values)")
     sglang_max_early_calls: int = _opt(4096, "with --api sglang, most /scheduler_receive_url and "
-                                       "/scheduler_receive_meta_data calls waiting at once for "
-                                       "parts whose /encode has not come (→ 503)")
+                                       "/scheduler_receive_meta_data calls (gRPC: SchedulerReceiveUrl, "
+                                       "Send) waiting at once for parts no delivery holds yet (their "
+                                       "/encode not come or not yet preprocessed) (→ 503)")
     request_timeout: float = _opt(180.0, "seconds a request may live, from arrival to delivery (→ 504)",
                                   sglang_env="SGLANG_ENCODER_REQ_TIMEOUT")
     send_timeout: float = _opt(60.0, "seconds one delivery may take (ZMQ send, Mooncake /send wait) (→ 504)",

@@ -84,7 +84,9 @@ class Entry:
         self.notify()
 
     def publish_error(self, error: EPDError) -> None:
-        self.error = error
+        # A copy, without the traceback: that would keep the failed request's frames (its
+        # body, its items) alive for as long as the endings table remembers the part.
+        self.error = _fresh(error)
         self.notify()
 
     def __repr__(self) -> str:

@@ -213,3 +213,32 @@ async def test_early_calls_are_bounded_and_a_claim_frees_their_places(clock: tri
 def test_the_early_bound_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_early"):
         Rendezvous(max_early=0)
+
+
+async def test_a_remembered_error_does_not_keep_the_failed_requests_frames_alive(
+        clock: trio.testing.MockClock) -> None:
+    import gc
+    import weakref
+
+    class Body:  # stands in for a request's body, a local of the frame that raised
+        pass
+
+    def fail_with_a_body_in_the_frame() -> EncodeError:
+        body = Body()
+        seen.append(weakref.ref(body))
+        try:
+            raise EncodeError("boom", req_id="f")
+        except EncodeError as exc:
+            return exc
+
+    seen: list[weakref.ref[Body]] = []
+    table = Rendezvous()
+    entry = table.claim("f")
+    error = fail_with_a_body_in_the_frame()
+    entry.publish_error(error)
+    table.release(entry)
+    del error, entry
+    gc.collect()
+    assert seen[0]() is None, "the endings table keeps a failed request's frame alive"
+    with pytest.raises(EncodeError, match="boom"):  # and still says how the part ended
+        await table.register("f", 1, "h:1", timeout=1)
