@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -123,7 +124,11 @@ def end_to_end(guarded: bool, calls: int) -> tuple[float, float]:
 
 def _measure(server: subprocess.Popen[str], calls: int) -> tuple[float, float]:
     assert server.stdout is not None
-    port = int(server.stdout.readline())  # the server's first line; it exits on failure
+    ready, _, _ = select.select([server.stdout], [], [], 60)
+    line = server.stdout.readline() if ready else ""
+    if not line.strip().isdigit():  # its first line is the port; anything else, it failed
+        raise RuntimeError(f"the gRPC server did not start within 60 s (exit {server.poll()})")
+    port = int(line)
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         check = health_pb2_grpc.HealthStub(channel).Check
         request = health_pb2.HealthCheckRequest()

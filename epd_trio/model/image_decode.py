@@ -21,11 +21,11 @@ read first, before any decoding, in both paths.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-from epd_trio.errors import OverloadedError
 from epd_trio.model.media import MediaLimits, decode_image, decoder_message, item_error, open_image
-from epd_trio.scheduling.failures import is_device_error, is_device_out_of_memory
+from epd_trio.scheduling.failures import raise_if_device_failure
 
 __all__ = ["decode_image_tensor", "fast_format"]
 
@@ -33,6 +33,11 @@ __all__ = ["decode_image_tensor", "fast_format"]
 # are safe to give it (not PNG: see the module docstring).
 _FAST = frozenset({("JPEG", "RGB"), ("JPEG", "L")})
 _RGB = 3  # torchvision.io.ImageReadMode.RGB
+# nvjpegStatus_t (nvjpeg.h): 5 ALLOCATOR_FAILURE; 1 NOT_INITIALIZED, 6 EXECUTION_FAILED,
+# 7 ARCH_MISMATCH, 8 INTERNAL_ERROR are the device's; 2-4, 9, 10 are the data's.
+_NVJPEG_STATUS = re.compile(r"(?i)(?:jpeg|nvjpeg)[\w ]*: (\d{1,2})$")
+_NVJPEG_ALLOCATOR_FAILURE = 5
+_NVJPEG_DEVICE_FAILURES = frozenset({1, 6, 7, 8})
 
 
 def _image_ops() -> Any:
@@ -92,9 +97,21 @@ def decode_image_tensor(data: Any, index: int, limits: MediaLimits, device: str 
             return ops.decode_jpegs_cuda([raw], _RGB, torch.device(device))[0]
         return ops.decode_jpeg(raw, _RGB, False)
     except RuntimeError as exc:
-        if is_device_out_of_memory(exc):  # the device's state, not the image: retry later
-            raise OverloadedError(f"item {index}: the preprocessing device ({device}) is out of "
-                                  "memory") from None
-        if is_device_error(exc):  # the device failed: a 500 with the log's traceback, not a 400
-            raise
+        raise_if_device_failure(_nvjpeg_failure(exc), f"item {index}", device)
         raise item_error(index, f"image cannot be decoded ({decoder_message(exc)})") from None
+
+
+def _nvjpeg_failure(exc: RuntimeError) -> BaseException:
+    """``exc``, or what its nvJPEG status says when that is the device's fault: torchvision
+    reports nvJPEG's failures as "...: <status>", which no CUDA error marker matches."""
+    status = _NVJPEG_STATUS.search(str(exc).strip())
+    if status is None:
+        return exc
+    code = int(status.group(1))
+    if code == _NVJPEG_ALLOCATOR_FAILURE:
+        return RuntimeError(f"CUDA out of memory in nvJPEG's allocator: {exc}")  # as torch says it
+    if code in _NVJPEG_DEVICE_FAILURES:
+        failed = RuntimeError(f"CUDA error: nvJPEG failed on the device (status {code}): {exc}")
+        failed.__cause__ = exc
+        return failed
+    return exc  # bad or unsupported data: the image's

@@ -33,6 +33,7 @@ from epd_trio.model.image_decode import decode_image_tensor
 from epd_trio.model.media import (MediaLimits, decode_image, decoder_message, image_pixels, is_frame_list,
                                   item_error)
 from epd_trio.model.video import FrameSampling, decode_video, frames_clip, model_sampler
+from epd_trio.scheduling.failures import raise_if_device_failure
 
 __all__ = ["DECODERS", "EncoderPreprocessor", "preprocess_device"]
 
@@ -155,6 +156,8 @@ def _call(index: int, what: str, processor: Any, *args: Any, **kwargs: Any) -> d
     except EPDError:
         raise
     except (ValueError, RuntimeError, TypeError, OSError, IndexError) as exc:
+        # on --preprocess-device cuda the processor runs there: its OOM is not the item's fault
+        raise_if_device_failure(exc, f"item {index}", str(kwargs.get("device") or "cpu"))
         raise RequestError(f"item {index}: the {what} refused it ({decoder_message(exc)})") from None
 
 

@@ -40,8 +40,9 @@ MAX_ENDPOINTS: Final = 64
 MAX_PARTS: Final = 4096
 MAX_JSON_DEPTH: Final = 32
 # An IPv6 host may name its zone after a bare '%', as libzmq reads it: a name starts with a
-# letter, anything else is read as an interface index ("25eth0" would be index 25), never 0.
-ZMQ_ZONE: Final = r"(?:%(?:[A-Za-z][A-Za-z0-9._~-]*|0*[1-9][0-9]*))?"
+# letter (at most 15 characters, IFNAMSIZ - 1), anything else is read as an interface index
+# ("25eth0" would be index 25) with atoi, so digits only, never 0, within an int.
+ZMQ_ZONE: Final = r"(?:%(?:[A-Za-z][A-Za-z0-9._~-]{0,14}|0{0,8}[1-9][0-9]{0,8}))?"
 _TCP: Final = re.compile(rf"tcp://(\[[0-9A-Fa-f:.]+{ZMQ_ZONE}\]|[A-Za-z0-9._-]+):([0-9]{{1,5}})")
 _IPC: Final = re.compile(r"ipc://([^\x00]+)")
 _MAX_IPC_PATH: Final = 107  # sun_path is 108 bytes with its NUL

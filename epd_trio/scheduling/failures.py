@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from epd_trio.errors import WorkerDeadError
+from epd_trio.errors import OverloadedError, WorkerDeadError
 
-__all__ = ["is_device_error", "is_device_out_of_memory"]
+__all__ = ["is_device_error", "is_device_out_of_memory", "raise_if_device_failure"]
 
 # Lower-cased fragments of the messages torch raises when a device (not an
 # input) failed: CUDA errors, device-side asserts, Triton's CUDA errors, and
@@ -53,6 +53,16 @@ def is_device_out_of_memory(exc: BaseException) -> bool:
     memory"); a CPU allocation failure is a plain ``RuntimeError`` and is not one."""
     return any(type(e).__name__ == "OutOfMemoryError" or "cuda out of memory" in str(e).lower()
                for e in _chain(exc) if isinstance(e, RuntimeError))
+
+
+def raise_if_device_failure(exc: BaseException, item: str, device: str) -> None:
+    """For work on a device other than the forward (preprocessing): raise what ``exc`` means
+    when it is the device's, not the input's — out of memory a 503 (retry later), a failed
+    device ``exc`` itself (a 500, its traceback in the log). Else return: the caller's 400."""
+    if is_device_out_of_memory(exc):
+        raise OverloadedError(f"{item}: the preprocessing device ({device}) is out of memory") from None
+    if is_device_error(exc):
+        raise exc
 
 
 def _is_device_error(exc: BaseException) -> bool:

@@ -19,6 +19,7 @@ from epd_trio.model.image_decode import decode_image_tensor, fast_format
 from epd_trio.model.loader import load_encoder
 from epd_trio.model.media import MediaLimits, decode_image, decoder_message
 from epd_trio.model.preprocess import EncoderPreprocessor
+from epd_trio.scheduling.failures import is_device_error
 
 LIMITS = MediaLimits()
 
@@ -119,27 +120,54 @@ def test_a_decoders_message_reaches_the_client_without_its_source_path(raised: E
     assert decoder_message(raised) == said
 
 
+NVJPEG = "Error while decoding JPEG images: Failed to decode jpeg stream: "  # torchvision's words
+
+
 @pytest.mark.parametrize(("raised", "expected"), [
     (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), OverloadedError),
     (RuntimeError("CUDA error: an illegal memory access was encountered"), RuntimeError),
     (RuntimeError("Error while decoding JPEG images: bad data"), RequestError),
+    (RuntimeError(NVJPEG + "5"), OverloadedError),  # NVJPEG_STATUS_ALLOCATOR_FAILURE
+    (RuntimeError(NVJPEG + "6"), RuntimeError),  # EXECUTION_FAILED: the device's
+    (RuntimeError(NVJPEG + "8"), RuntimeError),  # INTERNAL_ERROR
+    (RuntimeError(NVJPEG + "3"), RequestError),  # BAD_JPEG: the image's
+    (RuntimeError(NVJPEG + "10"), RequestError),  # INCOMPLETE_BITSTREAM
 ])
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
 def test_a_device_failure_while_decoding_is_not_the_images_fault(
-        monkeypatch: pytest.MonkeyPatch, raised: Exception, expected: type) -> None:
+        monkeypatch: pytest.MonkeyPatch, raised: Exception, expected: type, device: str) -> None:
     """Out of memory is a 503 (retry later), a failed device a 500 — neither a 400 that
-    blames the image (nor one that shows the device's memory figures)."""
+    blames the image (nor one that shows the device's memory figures). nvJPEG's own
+    failures end in its status number, read for what it says."""
     import epd_trio.model.image_decode as image_decode
 
     class Ops:
         def decode_jpeg(self, *args: object) -> None:
             raise raised
 
+        def decode_jpegs_cuda(self, *args: object) -> None:  # the operator --preprocess-device cuda uses
+            raise raised
+
     monkeypatch.setattr(image_decode, "_image_ops", Ops)
     with pytest.raises(expected) as caught:
-        decode_image_tensor(encoded(random_image(16, 16), "JPEG"), 5, LIMITS)
+        decode_image_tensor(encoded(random_image(16, 16), "JPEG"), 5, LIMITS, device)
     assert type(caught.value) is expected
     if expected is OverloadedError:
-        assert caught.value.message == "item 5: the preprocessing device (cpu) is out of memory"
+        assert caught.value.message == f"item 5: the preprocessing device ({device}) is out of memory"
+    if expected is RuntimeError:
+        assert is_device_error(caught.value)
+
+
+def test_a_processor_out_of_memory_on_the_device_is_a_503_not_the_items_fault(  # type: ignore[no-untyped-def]
+        loaded, monkeypatch: pytest.MonkeyPatch) -> None:
+    pre = EncoderPreprocessor(loaded.adapter, loaded.processors, LIMITS)
+
+    def out_of_memory(*args: object, **kwargs: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    monkeypatch.setitem(pre.processors, "image", out_of_memory)
+    with pytest.raises(OverloadedError, match="item 0: the preprocessing device .* is out of memory"):
+        pre.preprocess([encoded(random_image(56, 56), "PNG")], "image")
 
 
 def test_caps_and_bad_bytes_are_refused_as_before() -> None:

@@ -161,7 +161,9 @@ def test_a_zmq_endpoint_may_name_a_zone_as_libzmq_reads_it(endpoint: str) -> Non
                                       "tcp://[1.2.3.4%eth0]:5", "tcp://[::::%eth0]:5", "tcp://host%eth0:5",
                                       # libzmq reads a zone not starting with a letter as an index:
                                       # "%25eth0" would be interface 25, "%4x" 4; index 0 is none
-                                      "tcp://[fe80::1%25eth0]:5", "tcp://[fe80::1%4x]:5", "tcp://[fe80::1%0]:5"])
+                                      "tcp://[fe80::1%25eth0]:5", "tcp://[fe80::1%4x]:5", "tcp://[fe80::1%0]:5",
+                                      "tcp://[fe80::1%9999999999]:5",  # past an int: atoi's overflow
+                                      "tcp://[fe80::1%a23456789012345z]:5"])  # over IFNAMSIZ
 def test_a_zmq_endpoints_zone_follows_the_same_rules(endpoint: str) -> None:
     with pytest.raises(RequestError, match="tcp://host:port"):
         validate_endpoint(endpoint)
