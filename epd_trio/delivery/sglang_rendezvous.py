@@ -15,8 +15,9 @@ parts ended is remembered (a bounded table), so a caller that comes after its
 part was released is answered at once, with how it ended, instead of waiting out its
 timeout or hearing only that the part is unknown.
 
-Calls that wait for a part nobody has claimed yet are *early*: each is an open
-HTTP request that no admission bound has counted (``max_pending`` counts
+Calls that wait for a part no delivery has claimed yet (its ``/encode`` not
+come, or not yet preprocessed) are *early*: each is an open request that no
+admission bound has counted (``max_pending`` counts
 ``/encode`` calls), so their number is bounded here, ``max_early``; one more is
 a 503 at once, with nothing registered.
 """
@@ -131,7 +132,7 @@ class Rendezvous:
         if entry.unclaimed and self._early >= self._max_early:
             self._refused += 1
             self._drop_if_unused(entry)
-            raise OverloadedError(f"{self._early} calls already wait for parts with no /encode "
+            raise OverloadedError(f"{self._early} calls already wait for parts no delivery holds "
                                   f"yet (at most {self._max_early}); retry later", req_id=req_id)
         return entry
 

@@ -97,7 +97,8 @@ def decode_image_tensor(data: Any, index: int, limits: MediaLimits, device: str 
             return ops.decode_jpegs_cuda([raw], _RGB, torch.device(device))[0]
         return ops.decode_jpeg(raw, _RGB, False)
     except RuntimeError as exc:
-        raise_if_device_failure(_nvjpeg_failure(exc), f"item {index}", device)
+        on_device = torch.device(device).type == "cuda"
+        raise_if_device_failure(_nvjpeg_failure(exc) if on_device else exc, f"item {index}", device)
         raise item_error(index, f"image cannot be decoded ({decoder_message(exc)})") from None
 
 

@@ -123,17 +123,25 @@ def test_a_decoders_message_reaches_the_client_without_its_source_path(raised: E
 NVJPEG = "Error while decoding JPEG images: Failed to decode jpeg stream: "  # torchvision's words
 
 
-@pytest.mark.parametrize(("raised", "expected"), [
+ANY_DEVICE = [
     (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), OverloadedError),
     (RuntimeError("CUDA error: an illegal memory access was encountered"), RuntimeError),
     (RuntimeError("Error while decoding JPEG images: bad data"), RequestError),
-    (RuntimeError(NVJPEG + "5"), OverloadedError),  # NVJPEG_STATUS_ALLOCATOR_FAILURE
-    (RuntimeError(NVJPEG + "6"), RuntimeError),  # EXECUTION_FAILED: the device's
-    (RuntimeError(NVJPEG + "8"), RuntimeError),  # INTERNAL_ERROR
-    (RuntimeError(NVJPEG + "3"), RequestError),  # BAD_JPEG: the image's
-    (RuntimeError(NVJPEG + "10"), RequestError),  # INCOMPLETE_BITSTREAM
+]
+NVJPEG_STATUSES = [  # read only on a CUDA decode: on the CPU, libjpeg-turbo's words are the image's
+    (RuntimeError(NVJPEG + "5"), OverloadedError, RequestError),  # NVJPEG_STATUS_ALLOCATOR_FAILURE
+    (RuntimeError(NVJPEG + "6"), RuntimeError, RequestError),  # EXECUTION_FAILED: the device's
+    (RuntimeError(NVJPEG + "8"), RuntimeError, RequestError),  # INTERNAL_ERROR
+    (RuntimeError(NVJPEG + "3"), RequestError, RequestError),  # BAD_JPEG: the image's
+    (RuntimeError(NVJPEG + "10"), RequestError, RequestError),  # INCOMPLETE_BITSTREAM
+]
+
+
+@pytest.mark.parametrize(("raised", "expected", "device"), [
+    *[(r, e, d) for r, e in ANY_DEVICE for d in ("cpu", "cuda:0")],
+    *[(r, on_cuda, "cuda:0") for r, on_cuda, _ in NVJPEG_STATUSES],
+    *[(r, on_cpu, "cpu") for r, _, on_cpu in NVJPEG_STATUSES],
 ])
-@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
 def test_a_device_failure_while_decoding_is_not_the_images_fault(
         monkeypatch: pytest.MonkeyPatch, raised: Exception, expected: type, device: str) -> None:
     """Out of memory is a 503 (retry later), a failed device a 500 — neither a 400 that
