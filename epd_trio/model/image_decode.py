@@ -92,13 +92,13 @@ def decode_image_tensor(data: Any, index: int, limits: MediaLimits, device: str 
     # bytearray: torch.frombuffer warns on read-only buffers; the copy is the
     # compressed size only.
     raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    on_cuda = torch.device(device).type == "cuda"
     try:
-        if torch.device(device).type == "cuda":
+        if on_cuda:
             return ops.decode_jpegs_cuda([raw], _RGB, torch.device(device))[0]
         return ops.decode_jpeg(raw, _RGB, False)
     except RuntimeError as exc:
-        on_device = torch.device(device).type == "cuda"
-        raise_if_device_failure(_nvjpeg_failure(exc) if on_device else exc, f"item {index}", device)
+        raise_if_device_failure(_nvjpeg_failure(exc) if on_cuda else exc, f"item {index}", device)
         raise item_error(index, f"image cannot be decoded ({decoder_message(exc)})") from None
 
 
