@@ -2,7 +2,7 @@
 
 One JSON response helper, one set of error handlers (every error leaves in the
 protocol's JSON shape with its status from ``epd_trio.errors.http_status``;
-never a traceback, never HTML) and one Hypercorn configuration.
+never a traceback, never HTML). Starting Hypercorn is ``epd_trio._hypercorn``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
-import hypercorn.config
 import trio
 from quart import Response
 from quart_trio import QuartTrio
@@ -34,7 +33,6 @@ __all__ = [
     "error_reply",
     "face_error_reply",
     "http_exception_reply",
-    "hypercorn_config",
     "install_error_handlers",
     "json_error",
     "json_reply",
@@ -249,13 +247,3 @@ def shield_sends(app: Any) -> Callable[..., Awaitable[None]]:
 
     return shielded_app
 
-
-def hypercorn_config(host: str, port: int, graceful_timeout: float,
-                     max_header_bytes: int = 16 * 1024) -> hypercorn.config.Config:
-    hc = hypercorn.config.Config()
-    hc.h11_max_incomplete_size = max_header_bytes  # a longer head is refused before parsing
-    hc.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
-    hc.graceful_timeout = graceful_timeout
-    hc.accesslog = None
-    hc.errorlog = logging.getLogger("hypercorn.error")
-    return hc

@@ -210,8 +210,7 @@ class EncoderConfig:
         for name in ("request_timeout", "send_timeout", "health_timeout", "drain_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        _check_listen(self.host, self.port)
         if self.grpc_port is not None and not 0 <= self.grpc_port <= 65535:
             raise ValueError(f"grpc_port must be in 0..65535, got {self.grpc_port}")
         if self.transfer_backend not in ("zmq", "mooncake"):
@@ -271,13 +270,20 @@ class BootstrapConfig:
         for name in ("health_interval", "health_timeout", "evicted_ttl"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        _check_listen(self.host, self.port)
         if self.max_failures < 1:
             raise ValueError(f"max_failures must be at least 1, got {self.max_failures}")
         if self.max_encoders < 1:
             raise ValueError(f"max_encoders must be at least 1, got {self.max_encoders}")
         _check_token("auth_token", self.auth_token)
+
+
+def _check_listen(host: str, port: int) -> None:
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be in 0..65535, got {port}")
+    if not host or host.startswith("[") or any(ch.isspace() for ch in host):
+        raise ValueError(f"host must be an address or name to listen on (an IPv6 address without "
+                         f"brackets, '0.0.0.0' or '::' for all), got {host!r}")
 
 
 def _check_token(name: str, token: str | None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,25 @@ def test_demo_prints_a_table(qwen25_path: str, capsys: pytest.CaptureFixture[str
 def test_bad_flag_value_is_a_clean_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--model-path", "/nonexistent/model"]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A port another socket is listening on."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        yield other.getsockname()[1]
+
+
+@pytest.mark.parametrize("command", ["bootstrap", "encoder"])
+def test_a_port_in_use_is_one_line_naming_it(command: str, busy_port: int, qwen25_path: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    extra = ["--model-path", qwen25_path] if command == "encoder" else []
+    assert main([command, "--port", str(busy_port), *extra]) == 2
+    err = capsys.readouterr().err
+    assert f"epd-trio: error: cannot listen on 127.0.0.1:{busy_port} (--host, --port): [Errno " in err
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize(("given", "log_level", "expected"), [

@@ -9,20 +9,19 @@ Leaving it stops Hypercorn (registrations stop), then cancels the health loop.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import httpx
-import hypercorn.trio
 import trio
 
 from epd_trio.bootstrap.app import create_app
 from epd_trio.bootstrap.health import HealthLoop, HealthLoopStatistics, Probe, http_probe
 from epd_trio.bootstrap.registry import Registry, RegistryStatistics
-from epd_trio._http import hypercorn_config, shield_sends
+from epd_trio._http import shield_sends
+from epd_trio._hypercorn import start_hypercorn
 from epd_trio.config import BootstrapConfig
 
 __all__ = ["BootstrapServer", "BootstrapStatistics", "run_bootstrap", "serve_bootstrap"]
@@ -74,14 +73,13 @@ async def serve_bootstrap(config: BootstrapConfig, *, probe: Probe | None = None
         health = HealthLoop(registry, probe or http_probe(http),
                             interval=config.health_interval, timeout=config.health_timeout)
         stop = trio.Event()
-        serve = functools.partial(hypercorn.trio.serve,
-                                  shield_sends(create_app(registry, health, auth_token=config.auth_token)),
-                                  hypercorn_config(config.host, config.port, _HTTP_GRACE), shutdown_trigger=stop.wait)
-        urls = await nursery.start(serve)
+        app = shield_sends(create_app(registry, health, auth_token=config.auth_token))
+        url = await start_hypercorn(nursery, app, config.host, config.port,
+                                    graceful_timeout=_HTTP_GRACE, shutdown_trigger=stop.wait)
         try:
             async with trio.open_nursery() as loops:
                 await loops.start(health.run)
-                server = BootstrapServer(url=urls[0], registry=registry, health=health)
+                server = BootstrapServer(url=url, registry=registry, health=health)
                 log.info("bootstrap registry serving on %s (probes every %g s, %g s timeout, "
                          "evicts after %d misses; register %s)", server.url, config.health_interval,
                          config.health_timeout, config.max_failures,

@@ -37,10 +37,12 @@ from epd_trio.encoder import grpc_native, grpc_sglang
 from epd_trio.encoder.grpc_bridge import DecodeGuard, TrioBridge
 from epd_trio.encoder.grpc_health import HealthServicer
 from epd_trio.encoder.service import EncoderService
+from epd_trio.errors import RequestError
 from epd_trio.protocol.grpc_messages import MESSAGE_LIMIT
 from epd_trio.protocol.proto import encoder_pb2_grpc
+from epd_trio.protocol.urls import normalize_url
 
-__all__ = ["GrpcServer", "MESSAGE_LIMIT", "SERVICES", "open_grpc_server"]
+__all__ = ["GrpcServer", "MESSAGE_LIMIT", "SERVICES", "grpc_url", "open_grpc_server"]
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +53,7 @@ SERVICES: Final = (grpc_sglang.SERVICE_NAME, grpc_native.SERVICE_NAME, health_pb
 
 @dataclass(frozen=True)
 class GrpcServer:
-    url: str  # grpc://host:port, as bound
+    url: str  # grpc://host:port, as bound, in normalize_url's form
     port: int
     bridge: TrioBridge
 
@@ -153,6 +155,16 @@ def _name_os_thread(name: str) -> None:
         pass
 
 
+def grpc_url(host: str, port: int) -> str:
+    """The ``grpc://`` URL of ``host:port`` in the normal form clients compare and dial
+    (an IPv6 zone as ``%25``: grpcio would read a bare ``%12`` as the byte 0x12)."""
+    written = f"grpc://[{host}]:{port}" if ":" in host else f"grpc://{host}:{port}"
+    try:
+        return normalize_url(written, "--host", schemes=("grpc",))
+    except RequestError:  # a host the server could bind but no URL names (grpcio's own syntax)
+        return written
+
+
 async def _wake_on_drain(service: EncoderService, thread: _LoopThread) -> None:
     """Health ``Watch`` streams hear of a drain at once, not at their next check."""
     await service.drain_started.wait()
@@ -175,9 +187,9 @@ async def open_grpc_server(service: EncoderService, host: str, port: int, *,
                 raise ValueError(f"cannot serve gRPC on {address} (--grpc-port): {thread.error}") \
                     from thread.error
             nursery.start_soon(_wake_on_drain, service, thread)
-            shown = f"[{host}]" if ":" in host else host
-            log.info("gRPC serving on %s:%d", shown, thread.port)
-            yield GrpcServer(f"grpc://{shown}:{thread.port}", thread.port, bridge)
+            url = grpc_url(host, thread.port)
+            log.info("gRPC serving on %s", url.removeprefix("grpc://"))
+            yield GrpcServer(url, thread.port, bridge)
         finally:
             with trio.CancelScope(shield=True):
                 thread.stop()

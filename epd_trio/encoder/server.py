@@ -14,7 +14,6 @@ what is left, then unload the engine.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import socket
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -24,12 +23,11 @@ from types import MappingProxyType
 from typing import Final
 from urllib.parse import urlsplit
 
-import hypercorn.trio
 import trio
 
 from epd_trio.bootstrap.registration import Registration, open_registration
 from epd_trio.protocol.urls import normalize_url
-from epd_trio._http import hypercorn_config
+from epd_trio._hypercorn import start_hypercorn
 from epd_trio.config import EncoderConfig
 from epd_trio.encoder.app import create_app
 from epd_trio.encoder.asgi_route import ASGIApp
@@ -75,17 +73,17 @@ async def serve_encoder(config: EncoderConfig) -> AsyncIterator[EncoderServer]:
             open_encoder_service(config, engine) as service, \
             trio.open_nursery() as nursery:
         stop = trio.Event()
-        serve = functools.partial(hypercorn.trio.serve, FACES[config.api](service),
-                                  hypercorn_config(config.host, config.port, _HTTP_GRACE, config.max_header_bytes), shutdown_trigger=stop.wait)
-        urls = await nursery.start(serve)
-        advertise = advertised_url(config, urls[0])
-        log.info("encoder %s serving on %s", engine.model_info.model_type, urls[0])
+        url = await start_hypercorn(nursery, FACES[config.api](service), config.host, config.port,
+                                    graceful_timeout=_HTTP_GRACE, shutdown_trigger=stop.wait,
+                                    max_header_bytes=config.max_header_bytes)
+        advertise = advertised_url(config, url)
+        log.info("encoder %s serving on %s", engine.model_info.model_type, url)
         async with _maybe_grpc(config, service) as grpc_server:
             try:
                 async with open_registration(config.register_url, advertise,
                                              heartbeat_interval=config.heartbeat_interval,
                                              auth_token=config.registry_auth_token) as registration:
-                    yield EncoderServer(url=urls[0], service=service, advertise_url=advertise,
+                    yield EncoderServer(url=url, service=service, advertise_url=advertise,
                                         registration=registration if config.register_url else None,
                                         grpc=grpc_server)
                 # Leaving that block unregistered us (shielded, bounded) before the drain.

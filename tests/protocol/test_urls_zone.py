@@ -10,12 +10,15 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import trio
 
 from epd_trio.bootstrap.registry import Registry
-from epd_trio.config import ClientConfig
+from epd_trio.config import BootstrapConfig, ClientConfig, EncoderConfig
+from epd_trio.encoder.grpc_server import grpc_url
 from epd_trio.errors import RequestError
 from epd_trio.protocol.requests import validate_endpoint
 from epd_trio.protocol.sglang_requests import parse_host_port, parse_sglang_encode
@@ -186,3 +189,41 @@ def test_an_sglang_prefill_host_with_a_zone_is_bracketed_with_it() -> None:
             "num_parts": 1, "part_idx": 0, "prefill_host": "fe80::1%eth0", "embedding_port": [7, 8]}
     req = parse_sglang_encode(body, backend="zmq_to_tokenizer", max_items=8)
     assert req.deliver.endpoints == ("[fe80::1%eth0]:7", "[fe80::1%eth0]:8")
+
+
+
+@pytest.mark.parametrize(("host", "url"), [
+    ("0.0.0.0", "grpc://0.0.0.0:7"), ("LocalHost", "grpc://localhost:7"), ("::", "grpc://[::]:7"),
+    ("0:0:0:0:0:0:0:1", "grpc://[::1]:7"),
+])
+def test_the_grpc_servers_url_is_the_normal_form(host: str, url: str) -> None:
+    assert grpc_url(host, 7) == url
+
+
+
+@pytest.mark.parametrize("host", ["", "[::1]", "local host"])
+@pytest.mark.parametrize("config", [EncoderConfig, BootstrapConfig])
+def test_a_listen_host_that_names_no_address_is_refused(config: Any, host: str) -> None:
+    with pytest.raises(ValueError, match="host must be an address or name to listen on"):
+        config(host=host)
+
+
+@pytest.mark.parametrize("zone", ["name", "index"])
+async def test_an_encoder_listens_on_a_zoned_link_local_host(encoder: Any, zone: str) -> None:
+    """``--host fe80::…%eth0`` (or ``%4``): Linux binds a link-local address only with its
+    scope id, which ``getaddrinfo`` reads from the zone. Both printed URLs dial as they are
+    (a bare ``%4`` would reach grpcio as the byte 0x04)."""
+    grpc = pytest.importorskip("grpc")
+    address, name, index = _link_local()
+    written = name if zone == "name" else str(index)
+    async with encoder(host=f"{address}%{written}", grpc_port=0) as (server, _):
+        assert server.url == f"http://[{address}%{written}]:{server.url.rpartition(':')[2]}"
+        assert server.grpc.url == f"grpc://[{address}%25{written}]:{server.grpc.port}"
+
+        def dial() -> int:
+            with grpc.insecure_channel(server.grpc.url.removeprefix("grpc://")) as channel:
+                grpc.channel_ready_future(channel).result(timeout=10.0)
+            return httpx.get(server.url + "/health", timeout=10.0).status_code
+
+        with trio.fail_after(30):
+            assert await trio.to_thread.run_sync(dial) == 200

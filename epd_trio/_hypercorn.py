@@ -1,0 +1,95 @@
+"""Hypercorn, started the one way the encoder and the registry start it.
+
+The listening socket is bound here, not by Hypercorn, for three reasons:
+
+- a port in use (or an address this host lacks) is a ``ValueError`` naming it, which
+  the CLI prints in one line; Hypercorn raises the ``OSError`` from inside two
+  nurseries, after its lifespan start-up;
+- the socket is owned by the serving task and closed when it ends, on every path
+  (Hypercorn leaves a socket whose bind failed to the garbage collector);
+- the address is resolved by ``getaddrinfo``, which reads an IPv6 zone id
+  (``fe80::1%eth0``) into the scope id that Linux needs to bind a link-local address;
+  Hypercorn binds ``(host, port)``, scope 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import hypercorn.config
+import hypercorn.trio
+import trio
+
+__all__ = ["start_hypercorn"]
+
+
+class _BoundConfig(hypercorn.config.Config):
+    """Hypercorn's configuration, serving sockets bound beforehand."""
+
+    def __init__(self, sockets: list[socket.socket]) -> None:
+        self._bound = sockets
+
+    def create_sockets(self) -> hypercorn.config.Sockets:
+        return hypercorn.config.Sockets(secure_sockets=[], insecure_sockets=list(self._bound),
+                                        quic_sockets=[])
+
+
+async def start_hypercorn(nursery: trio.Nursery, app: Any, host: str, port: int, *,
+                          graceful_timeout: float, shutdown_trigger: Callable[[], Awaitable[None]],
+                          max_header_bytes: int = 16 * 1024) -> str:
+    """Serve ``app`` on ``host:port`` (0 picks a free port) in ``nursery`` → its ``http://`` URL.
+
+    Serving stops when ``shutdown_trigger`` returns (graceful: open requests get
+    ``graceful_timeout`` seconds) or when the nursery is cancelled.
+    """
+    sock = await _bound_socket(host, port)
+    config = _BoundConfig([sock])
+    config.h11_max_incomplete_size = max_header_bytes  # a longer head is refused before parsing
+    config.bind = [_netloc(host, port)]
+    config.graceful_timeout = graceful_timeout
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    try:
+        await nursery.start(_serve, app, config, sock, shutdown_trigger)
+    except BaseException:
+        sock.close()  # idempotent: _serve closes it too once it has run
+        raise
+    bound, port = sock.getsockname()[:2]
+    zone = host.partition("%")[2]  # getsockname gives the scope as a number beside the address
+    return f"http://{_netloc(bound + '%' + zone if zone else bound, port)}"
+
+
+async def _serve(app: Any, config: _BoundConfig, sock: socket.socket,
+                 shutdown_trigger: Callable[[], Awaitable[None]],
+                 task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+    with sock:  # the socket lives exactly as long as the server
+        await hypercorn.trio.serve(app, config, shutdown_trigger=shutdown_trigger,
+                                   task_status=task_status)
+
+
+async def _bound_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (a name without ``:`` is IPv4, as Hypercorn reads it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    shown = _netloc(host, port)
+    try:
+        found = await trio.socket.getaddrinfo(host or None, port, family, socket.SOCK_STREAM, 0,
+                                              socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ValueError(f"cannot listen on {shown} (--host, --port): {exc.strerror}") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind(found[0][4])
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on {shown} (--host, --port): {exc}") from None
+    return sock
+
+
+def _netloc(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
