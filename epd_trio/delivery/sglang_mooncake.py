@@ -72,6 +72,7 @@ class SGLangMooncakeDelivery(MooncakeDelivery):
         if context.mooncake is None:
             raise RequestError("this encoder does not serve Mooncake delivery (start it with "
                                "--encoder-transfer-backend mooncake)", req_id=request.req_id)
+        context.rendezvous.expect(request.req_id)  # its ranks ask for its sizes
         return cls(request, context.mooncake, context.send_timeout, context.zmq, context.rendezvous)
 
     def _claimed(self) -> Entry:

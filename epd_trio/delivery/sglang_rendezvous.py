@@ -209,6 +209,12 @@ class Rendezvous:
             entry.receive_count = None
 
     # ---- the delivery's side --------------------------------------------------
+    def expect(self, req_id: str) -> None:
+        """A new ``/encode`` of ``req_id`` is admitted: forget how an earlier part of that id
+        ended, so that a rank registering before this one's claim (its preprocessing takes
+        a while) waits for it instead of hearing the old ending."""
+        self._ended.pop(req_id, None)
+
     def claim(self, req_id: str) -> Entry:
         """The entry for a live request's delivery (a second claim is a 409).
 

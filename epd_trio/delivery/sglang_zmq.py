@@ -57,6 +57,8 @@ class SGLangZmqDelivery:
 
     @classmethod
     def for_request(cls, request: EncodeRequest, context: DeliveryContext) -> SGLangZmqDelivery:
+        if not request.deliver.endpoints:  # zmq_to_scheduler: its ranks register for it
+            context.rendezvous.expect(request.req_id)
         return cls(request, context.zmq, context.send_timeout, context.rendezvous)
 
     def sized(self, meta: EncodeMeta) -> Answer | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import traceback
+from typing import Any
 
 import pytest
 import trio
@@ -113,6 +114,32 @@ async def test_late_callers_hear_how_the_part_ended_at_once(clock: trio.testing.
     assert table.statistics().ended == 2
     with pytest.raises(DeadlineExceeded):
         await table.register("failed", 1, "h:1", timeout=5)
+
+
+async def test_a_reused_id_waits_for_its_new_encode_once_admitted(clock: trio.testing.MockClock) -> None:
+    """A new ``/encode`` of an ended id, admitted but not yet claimed (preprocessing): a rank
+    that registers now waits for the new part rather than hearing the old one's ending."""
+    table = Rendezvous()
+    table.release(table.claim("r_local_part_0"))
+    table.expect("r_local_part_0")
+    returned: list[Any] = []
+
+    async def register() -> None:  # zmq_to_scheduler's rank
+        await table.register("r_local_part_0", 1, "h:1", timeout=50)
+        returned.append(trio.current_time())
+
+    async def sizes() -> None:  # mooncake's rank
+        returned.append(await table.wait_sizes("r_local_part_0", timeout=50))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(register)
+        nursery.start_soon(sizes)
+        await trio.sleep(3)
+        assert table.statistics() == RendezvousStatistics(1, 0, 2, 1, 0, 2, 0)
+        entry = table.claim("r_local_part_0")
+        await trio.sleep(1)
+        entry.publish_sizes({"embedding_size": 8})
+    assert returned == [3.0, {"embedding_size": 8}] and list(entry.destinations) == ["h:1"]
 
 
 async def test_a_retried_registration_keeps_its_destination_until_the_last_call_leaves(

@@ -21,6 +21,7 @@ import trio
 
 from conftest import data_uri, png_bytes
 from epd_trio.model.samples import sample_tone
+from epd_trio.testing import Fault, FaultPlan, install_faults
 from sglang_face_kit import decode_with_sglang, encode_body, rank, stats, until
 from sglang_harness import Decoder, sglang_decoder, sglang_env  # noqa: F401 (fixtures)
 
@@ -63,6 +64,31 @@ async def test_two_ranks_registering_before_and_after_encode(
     assert seen["state"]["grid_dim"]["tensor"]["values"] == [list(g) for g in local.grid_thw]
     assert seen["state"]["shape"] == list(local.embedding.shape)
     assert torch.equal(tensors["a/part0"], local.embedding)
+
+
+async def test_a_reused_req_id_serves_a_rank_that_registers_during_preprocessing(encoder: Any) -> None:
+    """The second ``/encode`` of an ended part id is admitted, then preprocessed for a while: a
+    rank registering in that time gets the new part, not a 404 saying the old one was delivered."""
+    registration = {"req_id": "again_local_part_0", "receive_count": 1, "modality": "IMAGE"}
+    body = encode_body("again", 0, 1, [data_uri(png_bytes(56, 56, seed=5))])
+    async with encoder(api="sglang") as (server, http), rank() as a:
+        answers: dict[str, Any] = {}
+
+        async def post(name: str, path: str, body: dict[str, Any]) -> None:
+            answers[name] = await http.post(path, json=body)
+
+        for turn in ("first", "second"):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(post, f"{turn} encode", "/encode", body)
+                await until(http, lambda s: s["live_requests"] == 1)  # admitted (second: held)
+                nursery.start_soon(post, f"{turn} rank", "/scheduler_receive_url",
+                                   {**registration, "receive_url": a.url})
+                received = await a.receive()
+            assert len(received) == 2
+            install_faults(FaultPlan(0, [Fault("preprocess", delay=3.0)]), server.service.engine)
+        after = await stats(http)
+    assert {name: answer.status_code for name, answer in answers.items()} == dict.fromkeys(answers, 200)
+    assert len(answers) == 4 and after["sglang_rendezvous"]["ended"] == 1
 
 
 async def test_errors_are_answered_and_pushed_to_every_rank(
