@@ -1,21 +1,16 @@
 """epd_trio: a multimodal encoder service for EPD disaggregated LLM serving, on trio.
 
 This module is the public API; everything else is private to the package.
+The configuration and the errors load with it; the rest (which imports torch and
+transformers: seconds) on first use, so that ``epd-trio`` starts watching for
+SIGTERM before those imports, and a program that only needs the errors stays light.
 """
 
+import importlib as _importlib
+import typing as _typing
+
 from epd_trio._version import __version__
-from epd_trio.bootstrap.server import BootstrapServer, run_bootstrap, serve_bootstrap
-from epd_trio.client import (
-    EmbeddingPool,
-    EncodedRequest,
-    EncoderClient,
-    ItemEmbedding,
-    RemoteEncodeError,
-    open_encoder_client,
-)
 from epd_trio.config import BootstrapConfig, ClientConfig, EncoderConfig, EngineConfig
-from epd_trio.encoder.server import EncoderServer, run_encoder, serve_encoder
-from epd_trio.engine import EncodeOutput, Engine, EngineStatistics, ModelInfo, open_engine
 from epd_trio.errors import (
     AbortedError,
     ConflictError,
@@ -39,7 +34,42 @@ from epd_trio.errors import (
     UnknownRequestError,
     WorkerDeadError,
 )
-from epd_trio.model.tiny import TinySpec, make_tiny_model
+
+if _typing.TYPE_CHECKING:
+    from epd_trio.bootstrap.server import BootstrapServer, run_bootstrap, serve_bootstrap
+    from epd_trio.client import (
+        EmbeddingPool,
+        EncodedRequest,
+        EncoderClient,
+        ItemEmbedding,
+        RemoteEncodeError,
+        open_encoder_client,
+    )
+    from epd_trio.encoder.server import EncoderServer, run_encoder, serve_encoder
+    from epd_trio.engine import EncodeOutput, Engine, EngineStatistics, ModelInfo, open_engine
+    from epd_trio.model.tiny import TinySpec, make_tiny_model
+
+_LAZY = {
+    **dict.fromkeys(("BootstrapServer", "run_bootstrap", "serve_bootstrap"), "epd_trio.bootstrap.server"),
+    **dict.fromkeys(("EmbeddingPool", "EncodedRequest", "EncoderClient", "ItemEmbedding",
+                     "RemoteEncodeError", "open_encoder_client"), "epd_trio.client"),
+    **dict.fromkeys(("EncoderServer", "run_encoder", "serve_encoder"), "epd_trio.encoder.server"),
+    **dict.fromkeys(("EncodeOutput", "Engine", "EngineStatistics", "ModelInfo", "open_engine"),
+                    "epd_trio.engine"),
+    **dict.fromkeys(("TinySpec", "make_tiny_model"), "epd_trio.model.tiny"),
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'epd_trio' has no attribute {name!r}")
+    return getattr(_importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "AbortedError",

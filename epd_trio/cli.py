@@ -8,12 +8,16 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Sequence
+import typing
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import trio
 
 from epd_trio._util import leaves
 from epd_trio.config import (
+    LOG_LEVELS,
     BootstrapConfig,
     EncoderConfig,
     EngineConfig,
@@ -33,9 +37,20 @@ EXIT_INTERRUPTED = 130  # what a shell reports for Ctrl-C (128 + SIGINT)
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
-    from epd_trio.model.tiny import TinySpec, make_tiny_model
+    from epd_trio.model.tiny import TinySpec, is_tiny_model, make_tiny_model
 
-    path = make_tiny_model(args.directory, TinySpec(arch=args.arch, seed=args.seed))
+    out = Path(args.directory)
+    if not args.directory:
+        raise ValueError("make-tiny-model needs a directory to write into")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{args.directory!r} is a file, not a directory")
+    if out.is_dir() and any(out.iterdir()) and not is_tiny_model(out):
+        # never write random weights over someone's checkpoint
+        raise ValueError(f"{args.directory!r} holds files that are no tiny model: name a new or empty directory")
+    try:
+        path = make_tiny_model(out, TinySpec(arch=args.arch, seed=args.seed))
+    except OSError as exc:
+        raise ValueError(f"cannot write a tiny model to {args.directory!r}: {exc.strerror or exc}") from None
     print(f"wrote a tiny RANDOM-WEIGHT {args.arch} checkpoint to {path}")
     return 0
 
@@ -71,17 +86,15 @@ async def _serve_until_signal(config: EncoderConfig | BootstrapConfig) -> None:
     still starting (loading the model, say) cancels the start-up, whose
     blocking calls are abandonable or bounded, so the process exits promptly.
     """
-    from epd_trio.bootstrap.server import serve_bootstrap
-    from epd_trio.encoder.server import serve_encoder
-
-    what, serve = (("encoder", serve_encoder) if isinstance(config, EncoderConfig)
-                   else ("bootstrap", serve_bootstrap))
+    what = "encoder" if isinstance(config, EncoderConfig) else "bootstrap"
+    # Watched before the server's imports (torch, transformers: seconds), which a signal
+    # during them must stop too: trio keeps it until the first checkpoint after them.
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         started, stop = trio.Event(), trio.Event()
         async with trio.open_nursery() as nursery:
             with trio.CancelScope() as starting:
                 nursery.start_soon(_first_signal, signals, started, stop, starting, what)
-                async with serve(config) as server:  # type: ignore[operator]
+                async with _serve_function(config)(config) as server:
                     started.set()
                     _freeze_startup_objects()
                     print(f"epd-trio {what} listening on {server.url}", flush=True)
@@ -92,6 +105,16 @@ async def _serve_until_signal(config: EncoderConfig | BootstrapConfig) -> None:
             if starting.cancelled_caught:
                 log.info("the %s stopped before it had started", what)
             nursery.cancel_scope.cancel()
+
+
+def _serve_function(config: EncoderConfig | BootstrapConfig) -> Any:
+    if isinstance(config, EncoderConfig):
+        from epd_trio.encoder.server import serve_encoder
+
+        return serve_encoder
+    from epd_trio.bootstrap.server import serve_bootstrap
+
+    return serve_bootstrap
 
 
 async def _first_signal(signals: AsyncIterator[int], started: trio.Event, stop: trio.Event,
@@ -116,13 +139,13 @@ def _bootstrap(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from epd_trio.model.tiny import TINY_ARCHES
 
-    parser = argparse.ArgumentParser(prog="epd-trio", description=__doc__)
+    parser = _Parser(prog="epd-trio", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random-weight checkpoint")
     tiny.add_argument("directory")
     tiny.add_argument("--arch", choices=TINY_ARCHES, default="qwen2_5_vl")
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--seed", type=_bounded(0, 2**63 - 1), default=0)
     tiny.set_defaults(run=_make_tiny_model)
 
     encoder = sub.add_parser("encoder", help="serve the encoder over HTTP (SIGINT/SIGTERM drain, exit 0)")
@@ -136,12 +159,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="two encoders and a client in one program: encode sample "
                           "images split across both, check, print a table")
-    demo.add_argument("--encoders", type=int, default=2, help="how many encoders to start")
+    demo.add_argument("--encoders", type=_bounded(1, 16), default=2, help="how many encoders to start (1-16)")
     demo.add_argument("--transfer-backend", choices=("zmq", "mooncake"), default="zmq",
                       help="how embeddings travel (mooncake needs the mooncake extra)")
     add_config_arguments(demo, EngineConfig)
     demo.set_defaults(run=_demo)
     return parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """A bad flag is one line, as every other start-up error is (not the whole usage)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _bounded(low: int, high: int) -> Callable[[str], int]:
+    def value(raw: str) -> int:
+        try:
+            number = int(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected int, got {raw!r}") from None
+        if not low <= number <= high:
+            raise argparse.ArgumentTypeError(f"must be in {low}..{high}, got {number}")
+        return number
+
+    return value
 
 
 def configure_logging(level: str) -> None:
@@ -152,6 +195,9 @@ def configure_logging(level: str) -> None:
     ``MC_LOG_LEVEL`` when first imported: its INFO lines (ports, topology,
     "finish") only at our debug level. A ``MC_LOG_LEVEL`` you set wins.
     """
+    if level.upper() not in LOG_LEVELS:
+        raise ValueError(f"log_level (--log-level, EPD_LOG_LEVEL) must be one of "
+                         f"{', '.join(LOG_LEVELS)}, got {level!r}")
     debug = level.upper() == "DEBUG"
     logging.basicConfig(level=level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -162,8 +208,8 @@ def configure_logging(level: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(getattr(args, "log_level", None) or os.environ.get("EPD_LOG_LEVEL", "INFO"))
     try:
+        configure_logging(getattr(args, "log_level", None) or os.environ.get("EPD_LOG_LEVEL", "INFO"))
         return int(args.run(args))
     except KeyboardInterrupt:
         return _interrupted()

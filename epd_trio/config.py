@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import math
 import os
+import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
@@ -27,6 +30,7 @@ __all__ = [
     "EncoderConfig",
     "EngineConfig",
     "add_config_arguments",
+    "available_cores",
     "config_from_args",
     "config_from_env",
     "env_name",
@@ -37,6 +41,10 @@ C = TypeVar("C")
 
 APIS = ("native", "sglang")
 SGLANG_BACKENDS = ("zmq_to_scheduler", "zmq_to_tokenizer", "mooncake")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_DEVICE = re.compile(r"cpu|cuda(?::[0-9]{1,3})?")
+_INT32_MAX = 2**31 - 1
+_INT64_MAX = 2**63 - 1
 
 
 def _opt(default: Any, help: str, *, secret: bool = False, **kw: Any) -> Any:
@@ -112,28 +120,31 @@ class EngineConfig:
                               "weights are still loaded")
 
     def __post_init__(self) -> None:
+        _check_numbers(self)
         if self.preprocess_mode not in ("thread", "process"):
             raise ValueError(f"preprocess_mode must be thread or process, got {self.preprocess_mode!r}")
         if self.preprocess_mode == "process" and self.preprocess_device not in (None, "cpu"):
             raise ValueError("preprocess_mode process runs on the CPU: it cannot take "
                              f"preprocess_device {self.preprocess_device!r}")
-        for name in ("max_batch_size", "max_batch_tokens", "max_pending", "preprocess_workers",
-                     "max_image_pixels", "max_item_bytes", "video_min_frames", "max_video_frames",
-                     "max_video_pixels"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.cache_mb < 0 or self.cpu_threads < 0 or self.preprocess_threads < 1:
-            raise ValueError("cache_mb and cpu_threads must be >= 0, preprocess_threads >= 1")
-        if any(not d.strip() for d in self.device.split(",")):
-            raise ValueError(f"device must be one device or a comma-separated list, got {self.device!r}")
-        if self.coalesce_delay < 0 or self.fetch_timeout <= 0:
-            raise ValueError("coalesce_delay must be >= 0 and fetch_timeout > 0")
-        for name in ("video_fps", "max_video_seconds", "max_audio_seconds"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        _require(self, lambda v: v >= 1, "at least 1", "max_batch_size", "max_batch_tokens",
+                 "max_pending", "preprocess_workers", "max_image_pixels", "max_item_bytes",
+                 "video_min_frames", "max_video_frames", "max_video_pixels", "preprocess_threads")
+        _require(self, lambda v: v >= 0, ">= 0", "cache_mb", "cpu_threads", "coalesce_delay",
+                 "max_redirects")
+        cores = available_cores()
+        _require(self, lambda v: v <= cores, f"at most the {cores} CPUs this process may use",
+                 "cpu_threads", "preprocess_threads")
+        _require(self, lambda v: v > 0, "> 0", "fetch_timeout", "video_fps", "max_video_seconds",
+                 "max_audio_seconds")
+        for device in self.device.split(","):
+            _check_device(device.strip(), "device")
+        if self.preprocess_device is not None:
+            _check_device(self.preprocess_device, "preprocess_device")
         if self.video_max_frames < self.video_min_frames:
             raise ValueError(f"video_max_frames ({self.video_max_frames}) must be at least "
                              f"video_min_frames ({self.video_min_frames})")
+        if self.media_root is not None and not Path(self.media_root).is_dir():
+            raise ValueError(f"{_named('media_root')} must be an existing directory, got {self.media_root!r}")
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -207,12 +218,15 @@ class EncoderConfig:
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig, metadata={"nested": True})
 
     def __post_init__(self) -> None:
-        for name in ("request_timeout", "send_timeout", "health_timeout", "drain_timeout"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        _check_numbers(self)
+        _require(self, lambda v: v > 0, "> 0", "request_timeout", "send_timeout", "health_timeout",
+                 "drain_timeout", "heartbeat_interval", "zmq_idle_close")
+        _require(self, lambda v: v >= 0, ">= 0", "health_fresh")
         _check_listen(self.host, self.port)
         if self.grpc_port is not None and not 0 <= self.grpc_port <= 65535:
-            raise ValueError(f"grpc_port must be in 0..65535, got {self.grpc_port}")
+            raise ValueError(f"{_named('grpc_port')} must be in 0..65535, got {self.grpc_port}")
+        if self.grpc_port and self.grpc_port == self.port:
+            raise ValueError(f"{_named('grpc_port')} must differ from {_named('port')}: both are {self.port}")
         if self.transfer_backend not in ("zmq", "mooncake"):
             raise ValueError(f"transfer_backend must be zmq or mooncake, got {self.transfer_backend!r}")
         if self.api not in APIS:
@@ -220,12 +234,13 @@ class EncoderConfig:
         if self.encoder_transfer_backend not in SGLANG_BACKENDS:
             raise ValueError(f"encoder_transfer_backend must be one of {', '.join(SGLANG_BACKENDS)}, "
                              f"got {self.encoder_transfer_backend!r}")
-        for name in ("max_body_bytes", "max_items", "zmq_max_sockets", "zmq_sndhwm",
-                     "sglang_max_early_calls"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.heartbeat_interval <= 0:
-            raise ValueError(f"heartbeat_interval must be > 0, got {self.heartbeat_interval}")
+        _require(self, lambda v: v >= 1, "at least 1", "max_body_bytes", "max_items", "zmq_max_sockets",
+                 "zmq_sndhwm", "sglang_max_early_calls")
+        _require(self, lambda v: v <= _INT32_MAX, f"at most {_INT32_MAX} (libzmq's int)", "zmq_sndhwm")
+        _check_log_level(self.log_level)
+        if self.profile_dir is not None and Path(self.profile_dir).exists() \
+                and not Path(self.profile_dir).is_dir():
+            raise ValueError(f"{_named('profile_dir')} must be a directory, got the file {self.profile_dir!r}")
         _check_token("registry_auth_token", self.registry_auth_token)
         _check_token("auth_token", self.auth_token)
         if self.require_auth_for_encode and not self.auth_token:
@@ -267,20 +282,61 @@ class BootstrapConfig:
     log_level: str = _opt("INFO", "logging level")
 
     def __post_init__(self) -> None:
-        for name in ("health_interval", "health_timeout", "evicted_ttl"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        _check_numbers(self)
+        _require(self, lambda v: v > 0, "> 0", "health_interval", "health_timeout", "evicted_ttl")
         _check_listen(self.host, self.port)
-        if self.max_failures < 1:
-            raise ValueError(f"max_failures must be at least 1, got {self.max_failures}")
-        if self.max_encoders < 1:
-            raise ValueError(f"max_encoders must be at least 1, got {self.max_encoders}")
+        _require(self, lambda v: v >= 1, "at least 1", "max_failures", "max_encoders")
         _check_token("auth_token", self.auth_token)
+        _check_log_level(self.log_level)
+
+
+def _named(name: str) -> str:
+    """A field as both its users know it: ``max_items (--max-items)``."""
+    return f"{name} ({flag_name(name)})"
+
+
+def _require(config: Any, ok: Callable[[Any], bool], rule: str, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if not ok(value):
+            raise ValueError(f"{_named(name)} must be {rule}, got {value!r}")
+
+
+def _check_numbers(config: Any) -> None:
+    """Every number finite and within 64 bits: NaN passes every ``<=`` check (a NaN timeout
+    would crash the first wait on it), and a larger int overflows where torch takes it."""
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{_named(f.name)} must be a finite number, got {value}")
+        if isinstance(value, int) and not -_INT64_MAX <= value <= _INT64_MAX:
+            raise ValueError(f"{_named(f.name)} must fit in 64 bits, got {value}")
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _check_device(device: str, name: str) -> None:
+    """``cpu``, ``cuda`` or ``cuda:N``: the devices this project runs and tests on (whether the
+    CUDA device exists is checked where the engine starts)."""
+    if not _DEVICE.fullmatch(device):
+        raise ValueError(f"{_named(name)} must be cpu, cuda or cuda:N (a comma-separated list for "
+                         f"--device), got {device!r}")
+
+
+def _check_log_level(level: str) -> None:
+    if level.upper() not in LOG_LEVELS:
+        raise ValueError(f"{_named('log_level')} must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
 
 
 def _check_listen(host: str, port: int) -> None:
     if not 0 <= port <= 65535:
-        raise ValueError(f"port must be in 0..65535, got {port}")
+        raise ValueError(f"{_named('port')} must be in 0..65535, got {port}")
     if not host or host.startswith("[") or any(ch.isspace() for ch in host):
         raise ValueError(f"host must be an address or name to listen on (an IPv6 address without "
                          f"brackets, '0.0.0.0' or '::' for all), got {host!r}")
@@ -342,15 +398,13 @@ class ClientConfig:
     mooncake_device: str = _opt("", "Mooncake RDMA device names (e.g. mlx5_0), empty for tcp")
 
     def __post_init__(self) -> None:
-        for name in ("timeout", "connect_timeout", "abort_timeout", "abort_hold", "refresh_interval",
-                     "registry_timeout"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        _check_numbers(self)
+        _require(self, lambda v: v > 0, "> 0", "timeout", "connect_timeout", "abort_timeout",
+                 "abort_hold", "refresh_interval", "registry_timeout")
         if self.transfer_backend not in ("zmq", "mooncake", "inline"):
             raise ValueError(f"transfer_backend must be zmq, mooncake or inline, "
                              f"got {self.transfer_backend!r}")
-        if self.pool_bytes < 1:
-            raise ValueError(f"pool_bytes must be at least 1, got {self.pool_bytes}")
+        _require(self, lambda v: v >= 1, "at least 1", "pool_bytes")
         # Normalized as a registry's list is, so the two merge: one encoder, one string.
         object.__setattr__(self, "encoder_urls", _encoder_urls(self.encoder_urls))
 
@@ -387,6 +441,14 @@ def _parse(raw: str, kind: type, name: str) -> Any:
         raise ValueError(f"{name}: expected {kind.__name__}, got {raw!r}") from None
 
 
+def _parse_flag(raw: str, kind: type) -> Any:
+    """A flag's value; argparse names the flag in front of the message."""
+    try:
+        return kind(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {raw!r}") from None
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = ()) -> None:
     """Add one flag per field of ``cls``; defaults stay None so env vars can fill in."""
     hints = typing.get_type_hints(cls)
@@ -409,7 +471,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tu
                                help=help_text + " (repeatable)")
         else:
             group.add_argument(flag_name(f.name), dest=f.name, default=None,
-                               type=lambda raw, k=kind, n=f.name: _parse(raw, k, n), help=help_text)
+                               type=functools.partial(_parse_flag, kind=kind), help=help_text)
 
 
 def config_from_env(cls: type[C], environ: Mapping[str, str] | None = None, **overrides: Any) -> C:

@@ -43,6 +43,45 @@ def test_bad_flag_value_is_a_clean_error(capsys: pytest.CaptureFixture[str]) -> 
     assert "no config.json" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    (["encoder", "--port", "abc"], "epd-trio encoder: error: argument --port: expected int, got 'abc'"),
+    (["encoder", "--max-body-bytes", "1e9"], "argument --max-body-bytes: expected int, got '1e9'"),
+    (["demo", "--encoders", "0"], "argument --encoders: must be in 1..16, got 0"),
+    (["make-tiny-model", "x", "--seed", str(2**64)], "argument --seed: must be in 0..9223372036854775807"),
+])
+def test_a_flag_value_of_the_wrong_kind_is_one_line(argv: list[str], message: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["encoder", "--log-level", "garbage"], "log_level (--log-level, EPD_LOG_LEVEL) must be one of"),
+    (["bootstrap", "--health-interval", "nan"], "health_interval (--health-interval) must be a finite"),
+    (["encoder", "--device", "cuda:0,meta"], "device (--device) must be cpu, cuda or cuda:N"),
+])
+def test_a_value_no_component_can_use_is_one_line_before_anything_starts(
+        argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"epd-trio: error: {message}") and len(err.splitlines()) == 1, err
+
+
+def test_make_tiny_model_never_writes_over_other_files(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "config.json").write_text("{}")
+    (tmp_path / "file").write_text("x")
+    for target, message in (("", "needs a directory"), (str(tmp_path / "real"), "holds files that are no tiny model"),
+                            (str(tmp_path / "file"), "is a file, not a directory")):
+        assert main(["make-tiny-model", target]) == 2
+        assert message in capsys.readouterr().err
+    assert (tmp_path / "real" / "config.json").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "real"]
+
+
 @pytest.fixture
 def busy_port() -> Iterator[int]:
     """A port another socket is listening on."""

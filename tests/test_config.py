@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from epd_trio.config import (
+    BootstrapConfig,
+    ClientConfig,
     EncoderConfig,
     EngineConfig,
     add_config_arguments,
+    available_cores,
     config_from_args,
     config_from_env,
 )
@@ -27,14 +32,48 @@ def test_precedence_flag_then_env_then_default() -> None:
     assert (cfg.max_batch_size, cfg.device, cfg.max_pending) == (4, "cuda:1", 256)
 
 
-def test_types_and_optional_fields() -> None:
-    cfg = config_from_env(EngineConfig, {"EPD_COALESCE_DELAY": "0.25", "EPD_MEDIA_ROOT": "/srv/media"})
-    assert cfg.coalesce_delay == 0.25 and cfg.media_root == "/srv/media" and cfg.model_path is None
+def test_types_and_optional_fields(tmp_path: Path) -> None:
+    cfg = config_from_env(EngineConfig, {"EPD_COALESCE_DELAY": "0.25", "EPD_MEDIA_ROOT": str(tmp_path)})
+    assert cfg.coalesce_delay == 0.25 and cfg.media_root == str(tmp_path) and cfg.model_path is None
+
+
+@pytest.mark.parametrize(("cls", "values", "message"), [
+    (EncoderConfig, {"request_timeout": float("nan")}, r"request_timeout \(--request-timeout\) must be a finite"),
+    (EncoderConfig, {"drain_timeout": float("inf")}, "drain_timeout .* must be a finite number, got inf"),
+    (BootstrapConfig, {"health_interval": float("nan")}, "health_interval .* must be a finite"),
+    (ClientConfig, {"timeout": float("nan")}, "timeout .* must be a finite"),
+    (EngineConfig, {"coalesce_delay": float("nan")}, "coalesce_delay .* must be a finite"),
+    (EncoderConfig, {"zmq_sndhwm": 10**20}, "zmq_sndhwm .* must fit in 64 bits"),
+    (EncoderConfig, {"zmq_sndhwm": 2**31}, r"zmq_sndhwm .* must be at most 2147483647"),
+    (EncoderConfig, {"zmq_idle_close": -1.0}, r"zmq_idle_close \(--zmq-idle-close\) must be > 0"),
+    (EncoderConfig, {"health_fresh": -5.0}, "health_fresh .* must be >= 0"),
+    (EncoderConfig, {"port": 9000, "grpc_port": 9000}, "grpc_port .* must differ from port"),
+    (EncoderConfig, {"log_level": "garbage"}, "log_level .* must be one of DEBUG, INFO"),
+    (BootstrapConfig, {"log_level": "loud"}, "log_level .* must be one of"),
+    (EngineConfig, {"max_redirects": -1}, "max_redirects .* must be >= 0"),
+    (EngineConfig, {"cpu_threads": available_cores() + 1}, "cpu_threads .* must be at most the"),
+    (EngineConfig, {"preprocess_threads": available_cores() + 1}, "preprocess_threads .* must be at most"),
+    (EngineConfig, {"device": "meta"}, r"device \(--device\) must be cpu, cuda or cuda:N"),
+    (EngineConfig, {"device": "cuda:0,tpu"}, "got 'tpu'"),
+    (EngineConfig, {"preprocess_device": "garbage"}, "preprocess_device .* must be cpu, cuda"),
+    (EngineConfig, {"media_root": "/nonexistent/media"}, "media_root .* must be an existing directory"),
+])
+def test_values_no_component_could_use_are_refused_naming_the_flag(
+        cls: type, values: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        cls(**values)
+
+
+def test_a_profile_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="profile_dir .* must be a directory"):
+        EncoderConfig(profile_dir=str(tmp_path / "file"))
+    assert EncoderConfig(profile_dir=str(tmp_path / "new")).profile_dir == str(tmp_path / "new")
 
 
 @pytest.mark.parametrize(("env", "message"), [
     ({"EPD_MAX_BATCH_SIZE": "eight"}, "EPD_MAX_BATCH_SIZE: expected int"),
-    ({"EPD_MAX_BATCH_SIZE": "0"}, "max_batch_size must be at least 1"),
+    ({"EPD_MAX_BATCH_SIZE": "0"}, r"max_batch_size \(--max-batch-size\) must be at least 1"),
 ])
 def test_bad_values_say_which(env: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -62,9 +101,9 @@ def test_readme_config_table_is_current(capsys: pytest.CaptureFixture[str]) -> N
 
 
 @pytest.mark.parametrize(("env", "message"), [
-    ({"EPD_VIDEO_FPS": "0"}, "video_fps must be > 0"),
-    ({"EPD_MAX_AUDIO_SECONDS": "-1"}, "max_audio_seconds must be > 0"),
-    ({"EPD_MAX_VIDEO_FRAMES": "0"}, "max_video_frames must be at least 1"),
+    ({"EPD_VIDEO_FPS": "0"}, r"video_fps \(--video-fps\) must be > 0"),
+    ({"EPD_MAX_AUDIO_SECONDS": "-1"}, r"max_audio_seconds \(--max-audio-seconds\) must be > 0"),
+    ({"EPD_MAX_VIDEO_FRAMES": "0"}, r"max_video_frames \(--max-video-frames\) must be at least 1"),
     ({"EPD_VIDEO_MIN_FRAMES": "8", "EPD_VIDEO_MAX_FRAMES": "4"}, "video_max_frames .4. must be at least"),
 ])
 def test_bad_media_settings_say_which(env: dict[str, str], message: str) -> None:
@@ -102,7 +141,7 @@ def test_sglang_face_flags_and_sglangs_own_timeout_variables() -> None:
 @pytest.mark.parametrize(("flags", "message"), [
     (["--api", "grpc"], "api must be one of native, sglang"),
     (["--encoder-transfer-backend", "nixl"], "encoder_transfer_backend must be one of"),
-    (["--zmq-sndhwm", "0"], "zmq_sndhwm must be at least 1"),
+    (["--zmq-sndhwm", "0"], r"zmq_sndhwm \(--zmq-sndhwm\) must be at least 1"),
 ])
 def test_bad_sglang_settings_say_which(flags: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -38,7 +38,7 @@ from epd_trio.engine.cpu import StageCpu
 from epd_trio.engine.plan import CachePlan, EncodeAll, EncodeOutput, EncodePlan, given_names
 from epd_trio.engine.preprocess_pool import PoolSpec, PreprocessPool, open_preprocess_pool
 from epd_trio.engine.threads import available_cores, thread_budget, with_torch_threads
-from epd_trio.errors import RequestError
+from epd_trio.errors import ModelLoadError, RequestError
 from epd_trio.model.adapters import PreprocessResult
 from epd_trio.model.loader import LoadedEncoder, load_encoders
 from epd_trio.model.media import MediaLimits, MediaLoader, media_http_client
@@ -312,7 +312,12 @@ class Engine:
 async def resolve_model_path(config: EngineConfig) -> Path:
     if config.model_path:
         return Path(config.model_path)
-    return await trio.to_thread.run_sync(ensure_default_model, config.resolved_cache_dir())
+    cache_dir = config.resolved_cache_dir()
+    try:
+        return await trio.to_thread.run_sync(ensure_default_model, cache_dir)
+    except OSError as exc:  # a start-up error that names the flag, not a traceback
+        raise ModelLoadError(f"cannot generate the embedded tiny model in {str(cache_dir)!r} "
+                             f"(--cache-dir): {exc.strerror or exc}") from None
 
 
 @asynccontextmanager

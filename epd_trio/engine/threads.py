@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
+from epd_trio.config import available_cores
+
 __all__ = ["ThreadBudget", "available_cores", "thread_budget", "use_torch_threads", "with_torch_threads"]
 
 P = ParamSpec("P")
@@ -47,14 +49,6 @@ class ThreadBudget:
         fwd = "torch default" if self.forward is None else f"{self.forward} per forward"
         return (f"torch threads: {fwd}; {self.preprocess} per preprocessing worker "
                 f"× {preprocess_workers}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
-
-
-def available_cores() -> int:
-    """The cores this process may run on (its affinity mask, not the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux
-        return os.cpu_count() or 1
 
 
 def thread_budget(devices: Sequence[str], cores: int, *, cpu_threads: int = 0,

@@ -154,6 +154,7 @@ def load_encoder(model_dir: str | Path, *, device: str = "cpu", dtype: str = "au
     """Load the encoder of a local checkpoint; blocking (run it in a thread)."""
     from transformers.initialization import no_init_weights
 
+    check_device(device)
     model_dir = Path(model_dir)
     config = _load_config(model_dir)
     adapter = adapter_for(config)
@@ -182,6 +183,20 @@ def load_encoder(model_dir: str | Path, *, device: str = "cpu", dtype: str = "au
     )
 
 
+def check_device(device: str) -> None:
+    """A CUDA device torch cannot use is a start-up error that names it, not torch's traceback."""
+    import torch
+
+    resolved = torch.device(device)
+    if resolved.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} (--device): torch sees no CUDA device here")
+    if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise ModelLoadError(f"device {device!r} (--device): torch sees "
+                             f"{torch.cuda.device_count()} CUDA device(s) here")
+
+
 def replicate_encoder(encoder: LoadedEncoder, device: str) -> LoadedEncoder:
     """The same encoder with its own copy of the module on ``device`` (data parallel).
 
@@ -201,6 +216,8 @@ async def load_encoders(model_dir: str | Path, devices: Sequence[str], dtype: st
     Each step runs in a worker thread abandoned on cancellation, so a
     cancelled start-up returns at once while the thread finishes alone.
     """
+    for device in devices:  # before the load, which may take minutes
+        check_device(device)
     first, *others = devices
     log.info("loading the encoder of %s on %s", model_dir, first)
     encoder = await trio.to_thread.run_sync(

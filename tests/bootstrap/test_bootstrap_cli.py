@@ -64,8 +64,8 @@ def test_flags_and_variables_reach_the_configs() -> None:
 
 
 def test_bad_flags_are_clean_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    for argv, message in ((["bootstrap", "--max-failures", "0"], "max_failures must be at least 1"),
-                          (["bootstrap", "--health-interval", "-1"], "health_interval must be > 0"),
+    for argv, message in ((["bootstrap", "--max-failures", "0"], "max_failures (--max-failures) must be at least 1"),
+                          (["bootstrap", "--health-interval", "-1"], "health_interval (--health-interval) must be > 0"),
                           (["encoder", "--register-url", "ftp://r:1"], "http:// or https://"),
                           (["encoder", "--advertise-url", "http://me"], "must name a port")):
         assert main(argv) == 2

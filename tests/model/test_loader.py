@@ -222,3 +222,11 @@ async def test_load_encoders_copies_to_every_further_device(qwen25_path: str) ->
     assert first.module is not second.module and first.processors is second.processors
     for key, value in first.module.state_dict().items():
         assert torch.equal(second.module.state_dict()[key], value), key
+
+
+def test_a_cuda_device_torch_cannot_use_is_named_before_the_load() -> None:
+    from epd_trio.model.loader import check_device
+
+    check_device("cpu")
+    with pytest.raises(ModelLoadError, match=r"device 'cuda:99' \(--device\): torch sees"):
+        check_device("cuda:99")
