@@ -30,6 +30,7 @@ class _BoundConfig(hypercorn.config.Config):
     """Hypercorn's configuration, serving sockets bound beforehand."""
 
     def __init__(self, sockets: list[socket.socket]) -> None:
+        super().__init__()
         self._bound = sockets
 
     def create_sockets(self) -> hypercorn.config.Sockets:
@@ -48,7 +49,6 @@ async def start_hypercorn(nursery: trio.Nursery, app: Any, host: str, port: int,
     sock = await _bound_socket(host, port)
     config = _BoundConfig([sock])
     config.h11_max_incomplete_size = max_header_bytes  # a longer head is refused before parsing
-    config.bind = [_netloc(host, port)]
     config.graceful_timeout = graceful_timeout
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
@@ -57,9 +57,9 @@ async def start_hypercorn(nursery: trio.Nursery, app: Any, host: str, port: int,
     except BaseException:
         sock.close()  # idempotent: _serve closes it too once it has run
         raise
-    bound, port = sock.getsockname()[:2]
+    bound, bound_port = sock.getsockname()[:2]
     zone = host.partition("%")[2]  # getsockname gives the scope as a number beside the address
-    return f"http://{_netloc(bound + '%' + zone if zone else bound, port)}"
+    return f"http://{_netloc(bound + '%' + zone if zone else bound, bound_port)}"
 
 
 async def _serve(app: Any, config: _BoundConfig, sock: socket.socket,
@@ -75,7 +75,7 @@ async def _bound_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     shown = _netloc(host, port)
     try:
-        found = await trio.socket.getaddrinfo(host or None, port, family, socket.SOCK_STREAM, 0,
+        found = await trio.socket.getaddrinfo(host, port, family, socket.SOCK_STREAM, 0,
                                               socket.AI_PASSIVE)
     except socket.gaierror as exc:
         raise ValueError(f"cannot listen on {shown} (--host, --port): {exc.strerror}") from None

@@ -17,11 +17,11 @@ import trio
 
 from epd_trio._util import leaves
 from epd_trio.config import (
-    LOG_LEVELS,
     BootstrapConfig,
     EncoderConfig,
     EngineConfig,
     add_config_arguments,
+    check_log_level,
     config_from_args,
 )
 from epd_trio.errors import EPDError
@@ -39,15 +39,16 @@ EXIT_INTERRUPTED = 130  # what a shell reports for Ctrl-C (128 + SIGINT)
 def _make_tiny_model(args: argparse.Namespace) -> int:
     from epd_trio.model.tiny import TinySpec, is_tiny_model, make_tiny_model
 
-    out = Path(args.directory)
     if not args.directory:
         raise ValueError("make-tiny-model needs a directory to write into")
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{args.directory!r} is a file, not a directory")
-    if out.is_dir() and any(out.iterdir()) and not is_tiny_model(out):
-        # never write random weights over someone's checkpoint
-        raise ValueError(f"{args.directory!r} holds files that are no tiny model: name a new or empty directory")
+    out = Path(args.directory)
     try:
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"{args.directory!r} is a file, not a directory")
+        if out.is_dir() and any(out.iterdir()) and not is_tiny_model(out):
+            # never write random weights over someone's checkpoint
+            raise ValueError(f"{args.directory!r} holds files that are no tiny model: "
+                             "name a new or empty directory")
         path = make_tiny_model(out, TinySpec(arch=args.arch, seed=args.seed))
     except OSError as exc:
         raise ValueError(f"cannot write a tiny model to {args.directory!r}: {exc.strerror or exc}") from None
@@ -195,9 +196,7 @@ def configure_logging(level: str) -> None:
     ``MC_LOG_LEVEL`` when first imported: its INFO lines (ports, topology,
     "finish") only at our debug level. A ``MC_LOG_LEVEL`` you set wins.
     """
-    if level.upper() not in LOG_LEVELS:
-        raise ValueError(f"log_level (--log-level, EPD_LOG_LEVEL) must be one of "
-                         f"{', '.join(LOG_LEVELS)}, got {level!r}")
+    check_log_level(level)
     debug = level.upper() == "DEBUG"
     logging.basicConfig(level=level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import logging
 import math
 import os
 import re
@@ -31,6 +32,7 @@ __all__ = [
     "EngineConfig",
     "add_config_arguments",
     "available_cores",
+    "check_log_level",
     "config_from_args",
     "config_from_env",
     "env_name",
@@ -42,7 +44,8 @@ C = TypeVar("C")
 APIS = ("native", "sglang")
 SGLANG_BACKENDS = ("zmq_to_scheduler", "zmq_to_tokenizer", "mooncake")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-_DEVICE = re.compile(r"cpu|cuda(?::[0-9]{1,3})?")
+MAX_THREADS = 1024  # torch threads of one forward or worker: far past any core count, short of a crash
+_DEVICE = re.compile(r"cpu(?::0)?|cuda(?::[0-9]{1,3})?")
 _INT32_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
 
@@ -131,9 +134,12 @@ class EngineConfig:
                  "video_min_frames", "max_video_frames", "max_video_pixels", "preprocess_threads")
         _require(self, lambda v: v >= 0, ">= 0", "cache_mb", "cpu_threads", "coalesce_delay",
                  "max_redirects")
-        cores = available_cores()
-        _require(self, lambda v: v <= cores, f"at most the {cores} CPUs this process may use",
-                 "cpu_threads", "preprocess_threads")
+        _require(self, lambda v: v <= MAX_THREADS, f"at most {MAX_THREADS}", "cpu_threads",
+                 "preprocess_threads")
+        if "cpu" in (d.split(":")[0] for d in self.devices):  # elsewhere cpu_threads is ignored
+            cores = available_cores()
+            _require(self, lambda v: v <= cores, f"at most the {cores} CPUs this process may use "
+                     "on a CPU device", "cpu_threads")
         _require(self, lambda v: v > 0, "> 0", "fetch_timeout", "video_fps", "max_video_seconds",
                  "max_audio_seconds")
         for device in self.device.split(","):
@@ -237,7 +243,7 @@ class EncoderConfig:
         _require(self, lambda v: v >= 1, "at least 1", "max_body_bytes", "max_items", "zmq_max_sockets",
                  "zmq_sndhwm", "sglang_max_early_calls")
         _require(self, lambda v: v <= _INT32_MAX, f"at most {_INT32_MAX} (libzmq's int)", "zmq_sndhwm")
-        _check_log_level(self.log_level)
+        check_log_level(self.log_level)
         if self.profile_dir is not None and Path(self.profile_dir).exists() \
                 and not Path(self.profile_dir).is_dir():
             raise ValueError(f"{_named('profile_dir')} must be a directory, got the file {self.profile_dir!r}")
@@ -287,7 +293,7 @@ class BootstrapConfig:
         _check_listen(self.host, self.port)
         _require(self, lambda v: v >= 1, "at least 1", "max_failures", "max_encoders")
         _check_token("auth_token", self.auth_token)
-        _check_log_level(self.log_level)
+        check_log_level(self.log_level)
 
 
 def _named(name: str) -> str:
@@ -329,16 +335,18 @@ def _check_device(device: str, name: str) -> None:
                          f"--device), got {device!r}")
 
 
-def _check_log_level(level: str) -> None:
-    if level.upper() not in LOG_LEVELS:
-        raise ValueError(f"{_named('log_level')} must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
+def check_log_level(level: str) -> None:
+    """A level ``logging`` takes (``warn``, ``notset`` too), whatever its case."""
+    if level.upper() not in logging.getLevelNamesMapping():
+        raise ValueError(f"log_level (--log-level, EPD_LOG_LEVEL) must be one of "
+                         f"{', '.join(LOG_LEVELS)}, got {level!r}")
 
 
 def _check_listen(host: str, port: int) -> None:
     if not 0 <= port <= 65535:
         raise ValueError(f"{_named('port')} must be in 0..65535, got {port}")
     if not host or host.startswith("[") or any(ch.isspace() for ch in host):
-        raise ValueError(f"host must be an address or name to listen on (an IPv6 address without "
+        raise ValueError(f"{_named('host')} must be an address or name to listen on (an IPv6 address without "
                          f"brackets, '0.0.0.0' or '::' for all), got {host!r}")
 
 

@@ -52,7 +52,8 @@ def test_types_and_optional_fields(tmp_path: Path) -> None:
     (BootstrapConfig, {"log_level": "loud"}, "log_level .* must be one of"),
     (EngineConfig, {"max_redirects": -1}, "max_redirects .* must be >= 0"),
     (EngineConfig, {"cpu_threads": available_cores() + 1}, "cpu_threads .* must be at most the"),
-    (EngineConfig, {"preprocess_threads": available_cores() + 1}, "preprocess_threads .* must be at most"),
+    (EngineConfig, {"preprocess_threads": 1025}, "preprocess_threads .* must be at most 1024"),
+    (EngineConfig, {"device": "cuda", "cpu_threads": 1025}, "cpu_threads .* must be at most 1024"),
     (EngineConfig, {"device": "meta"}, r"device \(--device\) must be cpu, cuda or cuda:N"),
     (EngineConfig, {"device": "cuda:0,tpu"}, "got 'tpu'"),
     (EngineConfig, {"preprocess_device": "garbage"}, "preprocess_device .* must be cpu, cuda"),
@@ -62,6 +63,12 @@ def test_values_no_component_could_use_are_refused_naming_the_flag(
         cls: type, values: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         cls(**values)
+
+
+def test_what_a_gpu_or_logging_user_writes_is_still_taken() -> None:
+    assert EngineConfig(device="cuda:0,cuda:1", cpu_threads=available_cores() + 8).cpu_threads > 0
+    assert EngineConfig(device="cpu:0").devices == ("cpu:0",)
+    assert EncoderConfig(log_level="warn").log_level == "warn"
 
 
 def test_a_profile_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:

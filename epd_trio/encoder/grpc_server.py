@@ -158,7 +158,10 @@ def _name_os_thread(name: str) -> None:
 def grpc_url(host: str, port: int) -> str:
     """The ``grpc://`` URL of ``host:port`` in the normal form clients compare and dial
     (an IPv6 zone as ``%25``: grpcio would read a bare ``%12`` as the byte 0x12)."""
-    written = f"grpc://[{host}]:{port}" if ":" in host else f"grpc://{host}:{port}"
+    address, _, zone = host.partition("%")
+    if zone:  # RFC 6874's form: a bare zone starting with "25" would read as the escape
+        address += "%25" + zone
+    written = f"grpc://[{address}]:{port}" if ":" in address else f"grpc://{address}:{port}"
     try:
         return normalize_url(written, "--host", schemes=("grpc",))
     except RequestError:  # a host the server could bind but no URL names (grpcio's own syntax)

@@ -191,20 +191,19 @@ def test_an_sglang_prefill_host_with_a_zone_is_bracketed_with_it() -> None:
     assert req.deliver.endpoints == ("[fe80::1%eth0]:7", "[fe80::1%eth0]:8")
 
 
-
 @pytest.mark.parametrize(("host", "url"), [
     ("0.0.0.0", "grpc://0.0.0.0:7"), ("LocalHost", "grpc://localhost:7"), ("::", "grpc://[::]:7"),
-    ("0:0:0:0:0:0:0:1", "grpc://[::1]:7"),
+    ("0:0:0:0:0:0:0:1", "grpc://[::1]:7"), ("fe80::1%eth0", "grpc://[fe80::1%25eth0]:7"),
+    ("fe80::1%251", "grpc://[fe80::1%25251]:7"), ("fe80::1%25", "grpc://[fe80::1%2525]:7"),
 ])
 def test_the_grpc_servers_url_is_the_normal_form(host: str, url: str) -> None:
     assert grpc_url(host, 7) == url
 
 
-
 @pytest.mark.parametrize("host", ["", "[::1]", "local host"])
 @pytest.mark.parametrize("config", [EncoderConfig, BootstrapConfig])
 def test_a_listen_host_that_names_no_address_is_refused(config: Any, host: str) -> None:
-    with pytest.raises(ValueError, match="host must be an address or name to listen on"):
+    with pytest.raises(ValueError, match=r"host \(--host\) must be an address or name to listen on"):
         config(host=host)
 
 
