@@ -5,8 +5,9 @@ The listening socket is bound here, not by Hypercorn, for three reasons:
 - a port in use (or an address this host lacks) is a ``ValueError`` naming it, which
   the CLI prints in one line; Hypercorn raises the ``OSError`` from inside two
   nurseries, after its lifespan start-up;
-- the socket is owned by the serving task and closed when it ends, on every path
-  (Hypercorn leaves a socket whose bind failed to the garbage collector);
+- the socket is owned by an ``async with`` block and closed when it ends, on every path
+  (Hypercorn leaves a socket whose bind failed to the garbage collector), and a server
+  binds it before its slow start-up (the model), so a port in use is said at once;
 - the address is resolved by ``getaddrinfo``, which reads an IPv6 zone id
   (``fe80::1%eth0``) into the scope id that Linux needs to bind a link-local address;
   Hypercorn binds ``(host, port)``, scope 0.
@@ -14,16 +15,19 @@ The listening socket is bound here, not by Hypercorn, for three reasons:
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import hypercorn.config
 import hypercorn.trio
 import trio
 
-__all__ = ["start_hypercorn"]
+__all__ = ["Listener", "bound_listener", "start_hypercorn"]
 
 
 class _BoundConfig(hypercorn.config.Config):
@@ -38,36 +42,41 @@ class _BoundConfig(hypercorn.config.Config):
                                         quic_sockets=[])
 
 
-async def start_hypercorn(nursery: trio.Nursery, app: Any, host: str, port: int, *,
+@dataclass(frozen=True)
+class Listener:
+    """A bound TCP socket, owned by its ``bound_listener`` block; Hypercorn listens on it."""
+
+    host: str  # as configured: its zone id, if any, goes into the URL
+    sock: socket.socket
+
+
+@asynccontextmanager
+async def bound_listener(host: str, port: int) -> AsyncIterator[Listener]:
+    """``host:port`` bound for the block (0 picks a free port). A server binds first, so that a
+    port in use is said before its model loads (minutes for a large one), not after."""
+    sock = await _bound_socket(host, port)
+    with sock:
+        yield Listener(host, sock)
+
+
+async def start_hypercorn(nursery: trio.Nursery, app: Any, listener: Listener, *,
                           graceful_timeout: float, shutdown_trigger: Callable[[], Awaitable[None]],
                           max_header_bytes: int = 16 * 1024) -> str:
-    """Serve ``app`` on ``host:port`` (0 picks a free port) in ``nursery`` → its ``http://`` URL.
+    """Serve ``app`` on ``listener`` in ``nursery`` → its ``http://`` URL.
 
     Serving stops when ``shutdown_trigger`` returns (graceful: open requests get
     ``graceful_timeout`` seconds) or when the nursery is cancelled.
     """
-    sock = await _bound_socket(host, port)
-    config = _BoundConfig([sock])
+    config = _BoundConfig([listener.sock])
     config.h11_max_incomplete_size = max_header_bytes  # a longer head is refused before parsing
     config.graceful_timeout = graceful_timeout
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
-    try:
-        await nursery.start(_serve, app, config, sock, shutdown_trigger)
-    except BaseException:
-        sock.close()  # idempotent: _serve closes it too once it has run
-        raise
-    bound, bound_port = sock.getsockname()[:2]
-    zone = host.partition("%")[2]  # getsockname gives the scope as a number beside the address
+    await nursery.start(functools.partial(hypercorn.trio.serve, app, config,
+                                          shutdown_trigger=shutdown_trigger))
+    bound, bound_port = listener.sock.getsockname()[:2]
+    zone = listener.host.partition("%")[2]  # getsockname gives the scope as a number
     return f"http://{_netloc(bound + '%' + zone if zone else bound, bound_port)}"
-
-
-async def _serve(app: Any, config: _BoundConfig, sock: socket.socket,
-                 shutdown_trigger: Callable[[], Awaitable[None]],
-                 task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-    with sock:  # the socket lives exactly as long as the server
-        await hypercorn.trio.serve(app, config, shutdown_trigger=shutdown_trigger,
-                                   task_status=task_status)
 
 
 async def _bound_socket(host: str, port: int) -> socket.socket:

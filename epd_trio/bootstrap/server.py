@@ -21,7 +21,7 @@ from epd_trio.bootstrap.app import create_app
 from epd_trio.bootstrap.health import HealthLoop, HealthLoopStatistics, Probe, http_probe
 from epd_trio.bootstrap.registry import Registry, RegistryStatistics
 from epd_trio._http import shield_sends
-from epd_trio._hypercorn import start_hypercorn
+from epd_trio._hypercorn import bound_listener, start_hypercorn
 from epd_trio.config import BootstrapConfig
 
 __all__ = ["BootstrapServer", "BootstrapStatistics", "run_bootstrap", "serve_bootstrap"]
@@ -67,14 +67,15 @@ async def serve_bootstrap(config: BootstrapConfig, *, probe: Probe | None = None
                         max_encoders=config.max_encoders)
     # One keep-alive connection per encoder; move_on_after(health_timeout) is the
     # real deadline, httpx's own timeout only a backstop.
-    async with httpx.AsyncClient(timeout=config.health_timeout + 1.0,
-                                 limits=httpx.Limits(max_connections=None)) as http, \
+    async with bound_listener(config.host, config.port) as listener, \
+            httpx.AsyncClient(timeout=config.health_timeout + 1.0,
+                              limits=httpx.Limits(max_connections=None)) as http, \
             trio.open_nursery() as nursery:
         health = HealthLoop(registry, probe or http_probe(http),
                             interval=config.health_interval, timeout=config.health_timeout)
         stop = trio.Event()
         app = shield_sends(create_app(registry, health, auth_token=config.auth_token))
-        url = await start_hypercorn(nursery, app, config.host, config.port,
+        url = await start_hypercorn(nursery, app, listener,
                                     graceful_timeout=_HTTP_GRACE, shutdown_trigger=stop.wait)
         try:
             async with trio.open_nursery() as loops:

@@ -27,7 +27,7 @@ import trio
 
 from epd_trio.bootstrap.registration import Registration, open_registration
 from epd_trio.protocol.urls import normalize_url
-from epd_trio._hypercorn import start_hypercorn
+from epd_trio._hypercorn import bound_listener, start_hypercorn
 from epd_trio.config import EncoderConfig
 from epd_trio.encoder.app import create_app
 from epd_trio.encoder.asgi_route import ASGIApp
@@ -69,11 +69,12 @@ class EncoderServer:
 @asynccontextmanager
 async def serve_encoder(config: EncoderConfig) -> AsyncIterator[EncoderServer]:
     """Run an encoder server for the duration of the block (``port=0`` works)."""
-    async with open_engine(config.engine) as engine, \
+    async with bound_listener(config.host, config.port) as listener, \
+            open_engine(config.engine) as engine, \
             open_encoder_service(config, engine) as service, \
             trio.open_nursery() as nursery:
         stop = trio.Event()
-        url = await start_hypercorn(nursery, FACES[config.api](service), config.host, config.port,
+        url = await start_hypercorn(nursery, FACES[config.api](service), listener,
                                     graceful_timeout=_HTTP_GRACE, shutdown_trigger=stop.wait,
                                     max_header_bytes=config.max_header_bytes)
         advertise = advertised_url(config, url)
