@@ -29,6 +29,8 @@ import trio
 
 __all__ = ["Listener", "bound_listener", "start_hypercorn"]
 
+RESOLVE_TIMEOUT = 30.0  # seconds --host may take to resolve
+
 
 class _BoundConfig(hypercorn.config.Config):
     """Hypercorn's configuration, serving sockets bound beforehand."""
@@ -84,10 +86,14 @@ async def _bound_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     shown = _netloc(host, port)
     try:
-        found = await trio.socket.getaddrinfo(host, port, family, socket.SOCK_STREAM, 0,
-                                              socket.AI_PASSIVE)
+        with trio.fail_after(RESOLVE_TIMEOUT):  # a name's resolver may hang; the thread is abandoned
+            found = await trio.socket.getaddrinfo(host, port, family, socket.SOCK_STREAM, 0,
+                                                  socket.AI_PASSIVE)
     except socket.gaierror as exc:
         raise ValueError(f"cannot listen on {shown} (--host, --port): {exc.strerror}") from None
+    except trio.TooSlowError:
+        raise ValueError(f"cannot listen on {shown} (--host, --port): not resolved within "
+                         f"{RESOLVE_TIMEOUT:g} s") from None
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

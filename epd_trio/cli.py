@@ -8,10 +8,9 @@ import logging
 import os
 import signal
 import sys
-import typing
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import trio
 
@@ -171,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
 class _Parser(argparse.ArgumentParser):
     """A bad flag is one line, as every other start-up error is (not the whole usage)."""
 
-    def error(self, message: str) -> typing.NoReturn:
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
