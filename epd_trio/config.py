@@ -142,8 +142,8 @@ class EngineConfig:
                      "on a CPU device", "cpu_threads")
         _require(self, lambda v: v > 0, "> 0", "fetch_timeout", "video_fps", "max_video_seconds",
                  "max_audio_seconds")
-        for device in self.device.split(","):
-            _check_device(device.strip(), "device")
+        for device in self.devices:
+            _check_device(device, "device")
         if self.preprocess_device is not None:
             _check_device(self.preprocess_device, "preprocess_device")
         if self.video_max_frames < self.video_min_frames:

@@ -230,3 +230,14 @@ def test_a_cuda_device_torch_cannot_use_is_named_before_the_load() -> None:
     check_device("cpu")
     with pytest.raises(ModelLoadError, match=r"device 'cuda:99' \(--device\): torch sees"):
         check_device("cuda:99")
+
+
+async def test_load_encoders_names_an_unusable_device_before_loading_any(
+        qwen25_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from epd_trio.model import loader
+
+    loaded: list[str] = []
+    monkeypatch.setattr(loader, "load_encoder", lambda *a, **kw: loaded.append("loaded"))
+    with pytest.raises(ModelLoadError, match="'cuda:99'"):
+        await loader.load_encoders(qwen25_path, ["cpu", "cuda:99"])
+    assert loaded == []
