@@ -20,7 +20,7 @@ from quart_trio import QuartTrio
 from quart_trio.wrappers.request import TrioBody, TrioRequest
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from epd_trio.errors import EPDError, PayloadTooLargeError, UnauthorizedError, error_body, http_status
+from epd_trio.errors import EPDError, HeadersTooLargeError, PayloadTooLargeError, UnauthorizedError, error_body, http_status
 from epd_trio.protocol.requests import parse_json_body
 
 __all__ = [
@@ -30,15 +30,17 @@ __all__ = [
     "JoinedBodyRequest",
     "Reply",
     "as_response",
+    "check_head_size",
     "error_reply",
     "face_error_reply",
+    "guarded_app",
     "http_exception_reply",
     "install_error_handlers",
     "json_error",
     "json_reply",
     "json_response",
     "parse_json_off_loop",
-    "shield_sends",
+    "send_reply",
     "shielded_send",
     "with_allow",
 ]
@@ -239,11 +241,38 @@ def shielded_send(send: Callable[[dict[str, Any]], Awaitable[None]]) -> Callable
     return shielded
 
 
-def shield_sends(app: Any) -> Callable[..., Awaitable[None]]:
-    """An ASGI ``app`` whose every ``send`` is ``shielded_send``."""
+def guarded_app(app: Any, *, max_header_bytes: int,
+                error_reply: Callable[[BaseException], Reply] = face_error_reply) -> Callable[..., Awaitable[None]]:
+    """An ASGI ``app`` whose every ``send`` is ``shielded_send`` and whose requests with a head
+    over ``max_header_bytes`` are refused (431, closing) before ``app`` sees them."""
 
-    async def shielded_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        await app(scope, receive, shielded_send(send))
+    async def guarded(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        send = shielded_send(send)
+        if scope["type"] == "http":
+            try:
+                check_head_size(scope, max_header_bytes)
+            except HeadersTooLargeError as exc:
+                await send_reply(send, error_reply(exc).closing())
+                return
+        await app(scope, receive, send)
 
-    return shielded_app
+    return guarded
+
+
+def check_head_size(scope: dict[str, Any], limit: int) -> None:
+    """Refuse a request head over ``limit`` bytes. h11 bounds a head that arrives in pieces
+    (``h11_max_incomplete_size``); one that arrives in a single read is bounded only here."""
+    head = sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+    head += len(scope.get("raw_path") or scope["path"]) + 1 + len(scope["query_string"])
+    if head > limit:
+        raise HeadersTooLargeError(f"request head is over {limit} bytes")
+
+
+async def send_reply(send: Callable[[dict[str, Any]], Awaitable[None]], reply: Reply) -> None:
+    """``reply`` as an ASGI response."""
+    headers = [(b"content-type", reply.content_type.encode()),
+               (b"content-length", str(len(reply.body)).encode()),
+               *((name.lower().encode(), value.encode()) for name, value in reply.headers)]
+    await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+    await send({"type": "http.response.body", "body": reply.body})
 

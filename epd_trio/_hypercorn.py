@@ -27,7 +27,7 @@ import hypercorn.config
 import hypercorn.trio
 import trio
 
-__all__ = ["Listener", "bound_listener", "start_hypercorn"]
+__all__ = ["Listener", "bound_listener", "check_bindable", "start_hypercorn"]
 
 RESOLVE_TIMEOUT = 30.0  # seconds --host may take to resolve
 
@@ -56,9 +56,19 @@ class Listener:
 async def bound_listener(host: str, port: int) -> AsyncIterator[Listener]:
     """``host:port`` bound for the block (0 picks a free port). A server binds first, so that a
     port in use is said before its model loads (minutes for a large one), not after."""
-    sock = await _bound_socket(host, port)
+    sock = await _bound_socket(host, port, "--host, --port")
     with sock:
         yield Listener(host, sock)
+
+
+async def check_bindable(host: str, port: int, flags: str) -> None:
+    """Raise the ``ValueError`` that binding ``host:port`` would, naming ``flags``.
+
+    For a port another library binds later (grpcio's, after the model loads): a port in use
+    is said before the load. One taken during the load is still that library's error.
+    """
+    sock = await _bound_socket(host, port, flags)
+    sock.close()
 
 
 async def start_hypercorn(nursery: trio.Nursery, app: Any, listener: Listener, *,
@@ -81,7 +91,7 @@ async def start_hypercorn(nursery: trio.Nursery, app: Any, listener: Listener, *
     return f"http://{_netloc(bound + '%' + zone if zone else bound, bound_port)}"
 
 
-async def _bound_socket(host: str, port: int) -> socket.socket:
+async def _bound_socket(host: str, port: int, flags: str) -> socket.socket:
     """A TCP socket bound to ``host:port`` (a name without ``:`` is IPv4, as Hypercorn reads it)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     shown = _netloc(host, port)
@@ -90,9 +100,9 @@ async def _bound_socket(host: str, port: int) -> socket.socket:
             found = await trio.socket.getaddrinfo(host, port, family, socket.SOCK_STREAM, 0,
                                                   socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise ValueError(f"cannot listen on {shown} (--host, --port): {exc.strerror}") from None
+        raise ValueError(f"cannot listen on {shown} ({flags}): {exc.strerror}") from None
     except trio.TooSlowError:
-        raise ValueError(f"cannot listen on {shown} (--host, --port): not resolved within "
+        raise ValueError(f"cannot listen on {shown} ({flags}): not resolved within "
                          f"{RESOLVE_TIMEOUT:g} s") from None
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -102,7 +112,7 @@ async def _bound_socket(host: str, port: int) -> socket.socket:
         sock.setblocking(False)
     except OSError as exc:
         sock.close()
-        raise ValueError(f"cannot listen on {shown} (--host, --port): {exc}") from None
+        raise ValueError(f"cannot listen on {shown} ({flags}): {exc}") from None
     return sock
 
 

@@ -103,6 +103,17 @@ def test_a_port_in_use_is_one_line_naming_it(command: str, busy_port: int,
     assert len(err.splitlines()) == 1 and "config.json" not in err
 
 
+def test_a_grpc_port_in_use_is_said_before_the_model_loads(busy_port: int,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    # grpcio binds after the load: checked beforehand, it is our one line, not grpcio's log.
+    assert main(["encoder", "--port", "0", "--grpc-port", str(busy_port),
+                 "--model-path", "/nonexistent/model"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"epd-trio: error: cannot listen on 127.0.0.1:{busy_port} "
+                          "(--host, --grpc-port): [Errno "), err
+    assert len(err.splitlines()) == 1 and "config.json" not in err
+
+
 @pytest.mark.parametrize(("given", "log_level", "expected"), [
     (None, "info", "WARNING"), (None, "debug", "INFO"), ("ERROR", "debug", "ERROR")])
 def test_the_mooncake_log_level_follows_ours_unless_set(

@@ -26,11 +26,12 @@ from epd_trio.errors import RequestError
 from epd_trio.protocol.requests import parse_json_body
 from epd_trio.protocol.urls import normalize_url
 
-__all__ = ["create_app"]
+__all__ = ["MAX_BODY_BYTES", "MAX_HEADER_BYTES", "create_app"]
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 * 1024  # a body is one URL: anything bigger is not a registration
+MAX_HEADER_BYTES = 16 * 1024  # a request head (→ 431), as the encoder's --max-header-bytes default
 
 
 def create_app(registry: Registry, health: HealthLoop, *, auth_token: str | None = None) -> QuartTrio:

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import httpx
 import trio
 
-from epd_trio.bootstrap.app import create_app
+from epd_trio.bootstrap.app import MAX_HEADER_BYTES, create_app
 from epd_trio.bootstrap.health import HealthLoop, HealthLoopStatistics, Probe, http_probe
 from epd_trio.bootstrap.registry import Registry, RegistryStatistics
-from epd_trio._http import shield_sends
+from epd_trio._http import guarded_app
 from epd_trio._hypercorn import bound_listener, start_hypercorn
 from epd_trio.config import BootstrapConfig
 
@@ -74,9 +74,10 @@ async def serve_bootstrap(config: BootstrapConfig, *, probe: Probe | None = None
         health = HealthLoop(registry, probe or http_probe(http),
                             interval=config.health_interval, timeout=config.health_timeout)
         stop = trio.Event()
-        app = shield_sends(create_app(registry, health, auth_token=config.auth_token))
-        url = await start_hypercorn(nursery, app, listener,
-                                    graceful_timeout=_HTTP_GRACE, shutdown_trigger=stop.wait)
+        app = guarded_app(create_app(registry, health, auth_token=config.auth_token),
+                          max_header_bytes=MAX_HEADER_BYTES)
+        url = await start_hypercorn(nursery, app, listener, graceful_timeout=_HTTP_GRACE,
+                                    shutdown_trigger=stop.wait, max_header_bytes=MAX_HEADER_BYTES)
         try:
             async with trio.open_nursery() as loops:
                 await loops.start(health.run)

@@ -32,7 +32,7 @@ from typing import Any
 import trio
 from werkzeug.exceptions import MethodNotAllowed
 
-from epd_trio._http import BearerAuth, Reply, face_error_reply, shielded_send
+from epd_trio._http import BearerAuth, Reply, check_head_size, face_error_reply, send_reply, shielded_send
 from epd_trio.errors import BodyTimeoutError, EPDError, HeadersTooLargeError, PayloadTooLargeError
 
 __all__ = ["ASGIApp", "BareRoutes", "ErrorReply", "Handler", "RouteLimits"]
@@ -71,9 +71,9 @@ class BareRoutes:
             await self.fallback(scope, receive, send)  # lifespan
             return
         try:
-            self._check_head_size(scope)  # every route's, Quart's too: one place for the rule
+            check_head_size(scope, self._limits.max_header_bytes)  # every route's, Quart's too
         except HeadersTooLargeError as exc:
-            await _send(send, self._error_reply(exc).closing())
+            await send_reply(send, self._error_reply(exc).closing())
             return
         handler = self._routes.get(scope["path"])
         if handler is None:
@@ -82,7 +82,7 @@ class BareRoutes:
         async with trio.open_nursery() as nursery:
             reply = await self._answer(handler, scope, receive, nursery)
             if reply is not None:
-                await _send(send, reply)
+                await send_reply(send, reply)
             nursery.cancel_scope.cancel()  # the disconnect watcher, if it runs
 
     async def _answer(self, handler: Handler, scope: dict[str, Any], receive: Any,
@@ -106,13 +106,6 @@ class BareRoutes:
         except Exception as exc:  # a bug: answer 500, keep serving
             log.exception("unhandled error in %s", scope["path"])
             return self._error_reply(exc)
-
-    def _check_head_size(self, scope: dict[str, Any]) -> None:
-        """h11 bounds a head that arrives in pieces; one that arrives whole is bounded here."""
-        head = sum(len(k) + len(v) + 4 for k, v in scope["headers"])
-        head += len(scope.get("raw_path") or scope["path"]) + 1 + len(scope["query_string"])
-        if head > self._limits.max_header_bytes:
-            raise HeadersTooLargeError(f"request head is over {self._limits.max_header_bytes} bytes")
 
     def _check_token(self, scope: dict[str, Any]) -> None:
         if self._auth is not None:
@@ -147,11 +140,3 @@ async def _cancel_on_disconnect(receive: Any, cancel_scope: trio.CancelScope) ->
     while (await receive())["type"] != "http.disconnect":
         pass
     cancel_scope.cancel()
-
-
-async def _send(send: Any, reply: Reply) -> None:
-    headers = [(b"content-type", reply.content_type.encode()),
-               (b"content-length", str(len(reply.body)).encode()),
-               *((name.lower().encode(), value.encode()) for name, value in reply.headers)]
-    await send({"type": "http.response.start", "status": reply.status, "headers": headers})
-    await send({"type": "http.response.body", "body": reply.body})

@@ -27,7 +27,7 @@ import trio
 
 from epd_trio.bootstrap.registration import Registration, open_registration
 from epd_trio.protocol.urls import normalize_url
-from epd_trio._hypercorn import bound_listener, start_hypercorn
+from epd_trio._hypercorn import bound_listener, check_bindable, start_hypercorn
 from epd_trio.config import EncoderConfig
 from epd_trio.encoder.app import create_app
 from epd_trio.encoder.asgi_route import ASGIApp
@@ -69,6 +69,8 @@ class EncoderServer:
 @asynccontextmanager
 async def serve_encoder(config: EncoderConfig) -> AsyncIterator[EncoderServer]:
     """Run an encoder server for the duration of the block (``port=0`` works)."""
+    if config.grpc_port:  # grpcio binds after the model loads; a port in use is said now
+        await check_bindable(config.host, config.grpc_port, "--host, --grpc-port")
     async with bound_listener(config.host, config.port) as listener, \
             open_engine(config.engine) as engine, \
             open_encoder_service(config, engine) as service, \

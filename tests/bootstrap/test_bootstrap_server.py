@@ -97,6 +97,25 @@ async def test_connection_close_is_honoured() -> None:
         assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"encoder_urls": []}')
 
 
+async def test_a_head_over_16_kib_is_431_and_closes() -> None:
+    """Sent in one write, h11 sees the whole head at once: only the app's check bounds it."""
+    async with registry() as (reg, http):
+        parts = urlsplit(reg.url)
+        for size, expected in ((15_000, b"HTTP/1.1 200"), (17_000, b"HTTP/1.1 431")):
+            stream = await trio.open_tcp_stream(parts.hostname, parts.port)
+            async with stream:
+                await stream.send_all(b"GET /list_encoder_urls HTTP/1.1\r\nHost: x\r\nX-Big: " +
+                                      b"x" * size + b"\r\nConnection: close\r\n\r\n")
+                answer = b""
+                with trio.fail_after(10):
+                    while chunk := await stream.receive_some(65536):
+                        answer += chunk
+            assert answer.startswith(expected), answer[:200]
+            if expected.endswith(b"431"):
+                assert b"HeadersTooLargeError" in answer and b"16384" in answer, answer
+        assert (await http.get("/list_encoder_urls")).status_code == 200
+
+
 async def test_malformed_urls_and_bodies_are_400() -> None:
     async with registry() as (reg, http):
         for body, message in MALFORMED:
