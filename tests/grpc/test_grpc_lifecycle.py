@@ -25,6 +25,7 @@ import trio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import image_uri, listening_url, spawn
+from epd_trio.encoder import server as server_module
 from epd_trio.encoder.grpc_bridge import TrioBridge, _Pending, error_status
 from epd_trio.errors import NotReadyError
 from epd_trio.protocol.proto import encoder_pb2 as pb
@@ -128,8 +129,8 @@ async def _is(stats: Callable[[], Any], key: str, value: Any) -> bool:
 
 
 async def test_a_busy_grpc_port_is_a_clear_start_up_error(qwen25_path: str) -> None:
-    """Another gRPC server (grpcio sets SO_REUSEPORT on its sockets) holds the port:
-    with ``grpc.so_reuseport`` off the encoder cannot silently share it."""
+    """Another gRPC server (grpcio sets SO_REUSEPORT on its sockets) holds the port: the
+    encoder cannot silently share it, and says so before its model loads, in one line."""
     with socket.socket() as other:
         other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         other.bind(("127.0.0.1", 0))
@@ -139,11 +140,16 @@ async def test_a_busy_grpc_port_is_a_clear_start_up_error(qwen25_path: str) -> N
             code = await in_thread(lambda: proc.wait(timeout=120), timeout=150)
             stdout, stderr = proc.stdout.read(), proc.stderr.read()  # type: ignore[union-attr]
     assert code == 2, stderr
-    assert f"epd-trio: error: cannot serve gRPC on 127.0.0.1:{port} (--grpc-port)" in stderr, stderr
-    assert "Traceback" not in stderr and "listening" not in stdout
+    assert f"epd-trio: error: cannot listen on 127.0.0.1:{port} (--host, --grpc-port)" in stderr, stderr
+    assert "Traceback" not in stderr and "listening" not in stdout and "loading" not in stderr
 
 
-async def test_a_busy_port_leaves_no_thread_in_process(encoder: Any) -> None:
+async def test_a_busy_port_leaves_no_thread_in_process(encoder: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port taken while the model loads, after the encoder's own check: grpcio's bind fails."""
+    async def taken_after_the_check(*args: Any) -> None:
+        return None
+
+    monkeypatch.setattr(server_module, "check_bindable", taken_after_the_check)
     with socket.socket() as other:
         other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         other.bind(("127.0.0.1", 0))
