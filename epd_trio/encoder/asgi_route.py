@@ -32,8 +32,8 @@ from typing import Any
 import trio
 from werkzeug.exceptions import MethodNotAllowed
 
-from epd_trio._http import BearerAuth, Reply, check_head_size, face_error_reply, send_reply, shielded_send
-from epd_trio.errors import BodyTimeoutError, EPDError, HeadersTooLargeError, PayloadTooLargeError
+from epd_trio._http import BearerAuth, Reply, face_error_reply, guarded_app, send_reply
+from epd_trio.errors import BodyTimeoutError, EPDError, PayloadTooLargeError
 
 __all__ = ["ASGIApp", "BareRoutes", "ErrorReply", "Handler", "RouteLimits"]
 
@@ -64,16 +64,16 @@ class BareRoutes:
         self._limits = limits
         self._auth = auth  # None: the routes are open
         self._error_reply = error_reply
+        # Every send shielded and every head bounded, the Quart app's too: one place for both.
+        self._guarded = guarded_app(self._dispatch, max_header_bytes=limits.max_header_bytes,
+                                    error_reply=error_reply)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        send = shielded_send(send)  # the Quart app's too (``shielded_send`` says why)
+        await self._guarded(scope, receive, send)
+
+    async def _dispatch(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.fallback(scope, receive, send)  # lifespan
-            return
-        try:
-            check_head_size(scope, self._limits.max_header_bytes)  # every route's, Quart's too
-        except HeadersTooLargeError as exc:
-            await send_reply(send, self._error_reply(exc).closing())
             return
         handler = self._routes.get(scope["path"])
         if handler is None:
