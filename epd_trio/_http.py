@@ -2,7 +2,7 @@
 
 One JSON response helper, one set of error handlers (every error leaves in the
 protocol's JSON shape with its status from ``epd_trio.errors.http_status``;
-never a traceback, never HTML). Starting Hypercorn is ``epd_trio._hypercorn``.
+never a traceback, never HTML). Binding and starting the HTTP server is ``epd_trio._listen``.
 """
 
 from __future__ import annotations

@@ -43,6 +43,9 @@ C = TypeVar("C")
 
 APIS = ("native", "sglang")
 SGLANG_BACKENDS = ("zmq_to_scheduler", "zmq_to_tokenizer", "mooncake")
+HTTP_SERVERS = ("builtin", "hypercorn")  # as epd_trio._listen serves them
+_HTTP_SERVER_HELP = ("the HTTP server: builtin (epd_trio's lean HTTP/1.1 server on h11; README, "
+                     "The HTTP server) or hypercorn (Hypercorn's trio worker, as before)")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MAX_THREADS = 1024  # torch threads of one forward or worker: far past any core count, short of a crash
 _DEVICE = re.compile(r"cpu(?::0)?|cuda(?::[0-9]{1,3})?")
@@ -217,6 +220,7 @@ class EncoderConfig:
     require_auth_for_encode: bool = _opt(False, "also require the auth token on /encode and /send")
     max_header_bytes: int = _opt(16 * 1024, "largest HTTP request head (request line + headers) "
                                  "accepted")
+    http_server: str = _opt("builtin", _HTTP_SERVER_HELP)
     profile_dir: str | None = _opt(None, "directory POST /start_profile writes Chrome traces under "
                                    "(a request's output_dir must lie inside it; default: a new "
                                    "temporary directory)")
@@ -235,6 +239,7 @@ class EncoderConfig:
             raise ValueError(f"{_named('grpc_port')} must differ from {_named('port')}: both are {self.port}")
         if self.transfer_backend not in ("zmq", "mooncake"):
             raise ValueError(f"transfer_backend must be zmq or mooncake, got {self.transfer_backend!r}")
+        _check_http_server(self.http_server)
         if self.api not in APIS:
             raise ValueError(f"api must be one of {', '.join(APIS)}, got {self.api!r}")
         if self.encoder_transfer_backend not in SGLANG_BACKENDS:
@@ -285,15 +290,22 @@ class BootstrapConfig:
     auth_token: str | None = _opt(None, "bearer token that register and unregister calls must carry "
                                   "(default: none needed; prefer the variable: flags show in ps)",
                                   secret=True)
+    http_server: str = _opt("builtin", _HTTP_SERVER_HELP)
     log_level: str = _opt("INFO", "logging level")
 
     def __post_init__(self) -> None:
         _check_numbers(self)
         _require(self, lambda v: v > 0, "> 0", "health_interval", "health_timeout", "evicted_ttl")
         _check_listen(self.host, self.port)
+        _check_http_server(self.http_server)
         _require(self, lambda v: v >= 1, "at least 1", "max_failures", "max_encoders")
         _check_token("auth_token", self.auth_token)
         check_log_level(self.log_level)
+
+
+def _check_http_server(value: str) -> None:
+    if value not in HTTP_SERVERS:
+        raise ValueError(f"{_named('http_server')} must be one of {', '.join(HTTP_SERVERS)}, got {value!r}")
 
 
 def _named(name: str) -> str:

@@ -158,3 +158,11 @@ def test_bad_sglang_settings_say_which(flags: list[str], message: str) -> None:
 def test_sglang_api_reads_the_real_process_environment() -> None:
     # os.environ refuses a None key: a field without an SGLang alias must not be looked up.
     assert config_from_env(EncoderConfig, environ=os.environ, api="sglang").api == "sglang"
+
+
+def test_http_server_is_one_of_the_two() -> None:
+    assert EncoderConfig().http_server == "builtin" and BootstrapConfig().http_server == "builtin"
+    assert EncoderConfig(http_server="hypercorn").http_server == "hypercorn"
+    for cls in (EncoderConfig, BootstrapConfig):
+        with pytest.raises(ValueError, match=r"http_server \(--http-server\) must be one of builtin, hypercorn"):
+            cls(http_server="nginx")

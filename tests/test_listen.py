@@ -1,4 +1,4 @@
-"""Binding a server's port (epd_trio._hypercorn): every way it fails is a ValueError naming it."""
+"""Binding a server's port (epd_trio._listen): every way it fails is a ValueError naming it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio.testing
 
-from epd_trio._hypercorn import RESOLVE_TIMEOUT, bound_listener
+from epd_trio._listen import RESOLVE_TIMEOUT, bound_listener
 
 
 class _HangingResolver(trio.abc.HostnameResolver):

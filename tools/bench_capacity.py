@@ -32,7 +32,9 @@ not wall time, so other work on a shared machine does not inflate it):
 the model. Each figure is the median over ``--repeats`` windows; images/s is
 also given as a ratio to the same case at 1 worker, side by side. The load
 average is printed before and after: on a shared machine, read the CPU
-columns, not images/s. ``--tree DIR`` (repeatable) runs the same cases
+columns, not images/s. ``--http-server builtin hypercorn`` runs one encoder
+with each HTTP server (``--http-server``), side by side, windows taking turns.
+``--tree DIR`` (repeatable) runs the same cases
 against the encoder of another source tree (e.g. an older commit's worktree),
 side by side: all trees' encoders are up at once (an idle one costs nothing)
 and their windows take turns. ``--api http grpc`` sends the same load over
@@ -49,6 +51,8 @@ Usage::
     .venv/bin/python tools/bench_capacity.py --sizes 64 --formats png --workers 1 --tree . --tree ../base
     # the same requests over HTTP and over gRPC:
     .venv/bin/python tools/bench_capacity.py --quick --null-forward --api http grpc --sizes 64 1024
+    # the trio thread's cost per small request with each HTTP server:
+    .venv/bin/python tools/bench_capacity.py --null-forward --sizes 64 --workers 1 --http-server builtin hypercorn
 
 Benchmarks report; they do not assert.
 """
@@ -408,8 +412,12 @@ def bodies(formats: Sequence[str], sizes: Sequence[int]) -> dict[tuple[str, int]
     return {(f, s): encode_body(make_image(s, f), f, f"cap-{f}-{s}-") for f in formats for s in sizes}
 
 
-def encoder_args(tree: Path, args: argparse.Namespace, env: dict[str, str]) -> list[str]:
+def encoder_args(tree: Path, server: str, args: argparse.Namespace, env: dict[str, str]) -> list[str]:
     extra = ["--model-path", str(args.checkpoint)] if args.checkpoint else []
+    if supports(tree, "--http-server", env):
+        extra += ["--http-server", server]
+    elif server != "builtin":
+        raise SystemExit(f"{tree}: its encoder has no --http-server (it always serves with Hypercorn)")
     if args.null_forward:
         if supports(tree, "--null-forward", env):
             extra.append("--null-forward")
@@ -423,26 +431,26 @@ def encoder_args(tree: Path, args: argparse.Namespace, env: dict[str, str]) -> l
 def run_workers(workers: int, args: argparse.Namespace, pool: concurrent.futures.Executor,
                 cases: dict[tuple[str, int], tuple[bytes, bytes]], env: dict[str, str]) -> Iterator[Row]:
     """Every tree's encoder at once (an idle one costs nothing); windows take turns between them."""
-    encoders: dict[Path, Encoder] = {}
+    encoders: dict[str, Encoder] = {}
     try:
-        for tree in args.tree:
-            encoders[tree] = Encoder(tree, [*args.encoder_args[tree], "--preprocess-workers",
-                                            str(workers)], env)
+        for label, tree, server in args.targets:
+            encoders[label] = Encoder(tree, [*args.encoder_args[(tree, server)], "--preprocess-workers",
+                                             str(workers)], env)
         for encoder in encoders.values():
             encoder.wait_healthy()
             for body in cases.values():  # warm every shape (processor caches, allocator)
                 pool.submit(run_load, encoder.url, body, 2, args.warmup).result()
                 if encoder.grpc_target:
                     pool.submit(run_grpc_load, encoder.grpc_target, body, 2, args.warmup).result()
-        samples: dict[tuple[Path, str, str, int], list[tuple[float, dict[str, float], int]]] = {}
+        samples: dict[tuple[str, str, str, int], list[tuple[float, dict[str, float], int]]] = {}
         for _ in range(args.repeats):  # cases, trees and APIs take turns, so drift hits them alike
             for key, body in cases.items():
                 for tree, encoder in encoders.items():
                     for api in args.api:
                         samples.setdefault((tree, api, *key), []).append(
                             measure_case(encoder, pool, body, args.concurrency, args.seconds, api))
-        for (tree, api, fmt, size), runs in samples.items():
-            yield Row(tree.name or str(tree), api, fmt, size, workers,
+        for (label, api, fmt, size), runs in samples.items():
+            yield Row(label, api, fmt, size, workers,
                       statistics.median(r[0] for r in runs), medians([r[1] for r in runs]),
                       sum(r[2] for r in runs))
     finally:
@@ -474,7 +482,7 @@ def report(rows: list[Row], alone: dict[tuple[str, int], dict[str, float]]) -> N
     add_scaling(rows)
     trees = len({r.tree for r in rows}) > 1
     apis = len({r.api for r in rows}) > 1
-    header = [*(["tree"] if trees else []), *(["api"] if apis else []), "fmt", "size", "W", "img/s", "x W1",
+    header = [*(["encoder"] if trees else []), *(["api"] if apis else []), "fmt", "size", "W", "img/s", "x W1",
               *(f"{c} ms" for c in COLUMNS), "decode*", "proc*", "body*", "fail"]
     table = []
     for r in sorted(rows, key=lambda r: (r.fmt, r.size, r.workers, r.tree, r.api)):
@@ -531,6 +539,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api", nargs="+", default=["http"], choices=["http", "grpc"],
                    help="how the load reaches the encoder: HTTP POST /encode and/or gRPC "
                    "epd_trio.v1.Encoder/Encode (--grpc-port), side by side")
+    p.add_argument("--http-server", nargs="+", default=["builtin"], choices=["builtin", "hypercorn"],
+                   help="the encoder's --http-server, side by side (one encoder each): the trio "
+                   "thread's cost of each HTTP server, in one run")
     p.add_argument("--plot", type=Path, help="PNG of images/s and CPU per image (needs matplotlib)")
     args = p.parse_args(argv)
     quick = args.quick
@@ -540,7 +551,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.seconds = args.seconds or (1.5 if quick else 4.0)
     args.repeats = args.repeats or (2 if quick else 3)
     args.tree = [t.resolve() for t in (args.tree or [ROOT])]
+    args.targets = targets(args.tree, args.http_server)
     return args
+
+
+def targets(trees: Sequence[Path], servers: Sequence[str]) -> list[tuple[str, Path, str]]:
+    """``(label, tree, http server)`` for every encoder a run starts; the label names what varies."""
+    out = []
+    for tree in trees:
+        for server in servers:
+            parts = [tree.name or str(tree)] if len(trees) > 1 else []
+            parts += [server] if len(servers) > 1 else []
+            out.append(("/".join(parts) or tree.name or str(tree), tree, server))
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -559,7 +582,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     alone = {(f, s): standalone_costs(model_dir, make_image(s, f)) for f, s in cases}
     rows: list[Row] = []
     spawn = multiprocessing.get_context("spawn")
-    args.encoder_args = {tree: encoder_args(tree, args, env) for tree in args.tree}
+    args.encoder_args = {(tree, server): encoder_args(tree, server, args, env)
+                         for _, tree, server in args.targets}
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
         for workers in args.workers:
             rows.extend(run_workers(workers, args, pool, cases, env))

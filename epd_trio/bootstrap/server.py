@@ -21,7 +21,7 @@ from epd_trio.bootstrap.app import MAX_HEADER_BYTES, create_app
 from epd_trio.bootstrap.health import HealthLoop, HealthLoopStatistics, Probe, http_probe
 from epd_trio.bootstrap.registry import Registry, RegistryStatistics
 from epd_trio._http import guarded_app
-from epd_trio._hypercorn import bound_listener, start_hypercorn
+from epd_trio._listen import bound_listener, start_http_server
 from epd_trio.config import BootstrapConfig
 
 __all__ = ["BootstrapServer", "BootstrapStatistics", "run_bootstrap", "serve_bootstrap"]
@@ -76,8 +76,9 @@ async def serve_bootstrap(config: BootstrapConfig, *, probe: Probe | None = None
         stop = trio.Event()
         app = guarded_app(create_app(registry, health, auth_token=config.auth_token),
                           max_header_bytes=MAX_HEADER_BYTES)
-        url = await start_hypercorn(nursery, app, listener, graceful_timeout=_HTTP_GRACE,
-                                    shutdown_trigger=stop.wait, max_header_bytes=MAX_HEADER_BYTES)
+        url = await start_http_server(nursery, app, listener, server=config.http_server,
+                                      graceful_timeout=_HTTP_GRACE, shutdown_trigger=stop.wait,
+                                      max_header_bytes=MAX_HEADER_BYTES)
         try:
             async with trio.open_nursery() as loops:
                 await loops.start(health.run)

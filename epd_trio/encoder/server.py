@@ -27,7 +27,7 @@ import trio
 
 from epd_trio.bootstrap.registration import Registration, open_registration
 from epd_trio.protocol.urls import normalize_url
-from epd_trio._hypercorn import bound_listener, check_bindable, start_hypercorn
+from epd_trio._listen import bound_listener, check_bindable, start_http_server
 from epd_trio.config import EncoderConfig
 from epd_trio.encoder.app import create_app
 from epd_trio.encoder.asgi_route import ASGIApp
@@ -76,9 +76,9 @@ async def serve_encoder(config: EncoderConfig) -> AsyncIterator[EncoderServer]:
             open_encoder_service(config, engine) as service, \
             trio.open_nursery() as nursery:
         stop = trio.Event()
-        url = await start_hypercorn(nursery, FACES[config.api](service), listener,
-                                    graceful_timeout=_HTTP_GRACE, shutdown_trigger=stop.wait,
-                                    max_header_bytes=config.max_header_bytes)
+        url = await start_http_server(nursery, FACES[config.api](service), listener,
+                                      server=config.http_server, graceful_timeout=_HTTP_GRACE,
+                                      shutdown_trigger=stop.wait, max_header_bytes=config.max_header_bytes)
         advertise = advertised_url(config, url)
         log.info("encoder %s serving on %s", engine.model_info.model_type, url)
         async with _maybe_grpc(config, service) as grpc_server:

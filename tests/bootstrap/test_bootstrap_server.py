@@ -1,4 +1,4 @@
-"""The registry over real HTTP (Hypercorn on port 0), with real probes and real encoders."""
+"""The registry over real HTTP (its HTTP server on port 0), with real probes and real encoders."""
 
 from __future__ import annotations
 
@@ -82,10 +82,11 @@ MALFORMED = [
 ]
 
 
-async def test_connection_close_is_honoured() -> None:
+@pytest.mark.parametrize("http_server", ["builtin", "hypercorn"])
+async def test_connection_close_is_honoured(http_server: str) -> None:
     """A client that asks for ``Connection: close`` and reads until the close gets it
     (quart-trio's disconnect watcher had cancelled Hypercorn's close: the socket stayed open)."""
-    async with registry() as (reg, _):
+    async with registry(dataclasses.replace(QUIET, http_server=http_server)) as (reg, _):
         parts = urlsplit(reg.url)
         stream = await trio.open_tcp_stream(parts.hostname, parts.port)
         async with stream:

@@ -1,4 +1,4 @@
-"""The encoder over real HTTP (Hypercorn on port 0) and real ZMQ on loopback."""
+"""The encoder over real HTTP (its HTTP server on port 0) and real ZMQ on loopback."""
 
 from __future__ import annotations
 
@@ -242,3 +242,18 @@ async def test_graceful_shutdown_finishes_in_flight_and_refuses_new(encoder: Any
             await drain.wait()
     assert all(results[f"inflight{i}"].status_code == 200 for i in range(3))
     assert results["new"].status_code == 503 and results["health"].status_code == 503
+
+
+async def test_hypercorn_serves_the_same_answers(encoder: Any) -> None:
+    """``--http-server hypercorn``, the other server: the same embedding, errors and limits."""
+    answers = {}
+    for server in ("builtin", "hypercorn"):
+        async with encoder(http_server=server, max_body_bytes=200_000) as (_, http):
+            ok = await http.post("/encode", json=encode_body("same"))
+            bad = await http.post("/encode", json=encode_body(mm_items=[data_uri(b"junk")]))
+            big = await http.post("/encode", content=b"x" * 300_000)
+            missing = await http.get("/nowhere")
+            assert (ok.status_code, bad.status_code, big.status_code, missing.status_code) == (200, 400, 413, 404)
+            assert big.headers["connection"] == "close"
+            answers[server] = decode_safetensors(ok.content)[0]
+    assert torch.equal(answers["builtin"], answers["hypercorn"])

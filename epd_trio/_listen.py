@@ -1,9 +1,12 @@
-"""Hypercorn, started the one way the encoder and the registry start it.
+"""Binding a server's port, and starting the HTTP server that serves it.
 
-The listening socket is bound here, not by Hypercorn, for three reasons:
+The server is epd_trio's own HTTP/1.1 server (``epd_trio._http11``, the default) or
+Hypercorn's trio worker (``--http-server hypercorn``); both serve the same ASGI app.
+
+The listening socket is bound here, not by the server, for three reasons:
 
 - a port in use (or an address this host lacks) is a ``ValueError`` naming it, which
-  the CLI prints in one line; Hypercorn raises the ``OSError`` from inside two
+  the CLI prints in one line; Hypercorn raised the ``OSError`` from inside two
   nurseries, after its lifespan start-up;
 - the socket is owned by an ``async with`` block and closed when it ends, on every path
   (Hypercorn leaves a socket whose bind failed to the garbage collector), and a server
@@ -27,7 +30,10 @@ import hypercorn.config
 import hypercorn.trio
 import trio
 
-__all__ = ["Listener", "bound_listener", "check_bindable", "start_hypercorn"]
+from epd_trio._http11 import HTTPServerConfig, serve_http11
+from epd_trio.config import HTTP_SERVERS
+
+__all__ = ["Listener", "bound_listener", "check_bindable", "start_http_server"]
 
 RESOLVE_TIMEOUT = 30.0  # seconds --host may take to resolve
 
@@ -71,14 +77,31 @@ async def check_bindable(host: str, port: int, flags: str) -> None:
     sock.close()
 
 
-async def start_hypercorn(nursery: trio.Nursery, app: Any, listener: Listener, *,
-                          graceful_timeout: float, shutdown_trigger: Callable[[], Awaitable[None]],
-                          max_header_bytes: int = 16 * 1024) -> str:
-    """Serve ``app`` on ``listener`` in ``nursery`` → its ``http://`` URL.
+async def start_http_server(nursery: trio.Nursery, app: Any, listener: Listener, *, server: str,
+                            graceful_timeout: float, shutdown_trigger: Callable[[], Awaitable[None]],
+                            max_header_bytes: int = 16 * 1024) -> str:
+    """Serve ``app`` on ``listener`` in ``nursery`` with ``server`` (``HTTP_SERVERS``) → its URL.
 
     Serving stops when ``shutdown_trigger`` returns (graceful: open requests get
     ``graceful_timeout`` seconds) or when the nursery is cancelled.
     """
+    if server == "builtin":
+        config = HTTPServerConfig(max_header_bytes=max_header_bytes, graceful_timeout=graceful_timeout)
+        await nursery.start(functools.partial(serve_http11, app, [listener.sock], config,
+                                              shutdown_trigger=shutdown_trigger))
+    elif server == "hypercorn":
+        await _start_hypercorn(nursery, app, listener, graceful_timeout=graceful_timeout,
+                               shutdown_trigger=shutdown_trigger, max_header_bytes=max_header_bytes)
+    else:
+        raise ValueError(f"http_server must be one of {', '.join(HTTP_SERVERS)}, got {server!r}")
+    bound, bound_port = listener.sock.getsockname()[:2]
+    zone = listener.host.partition("%")[2]  # getsockname gives the scope as a number
+    return f"http://{_netloc(bound + '%' + zone if zone else bound, bound_port)}"
+
+
+async def _start_hypercorn(nursery: trio.Nursery, app: Any, listener: Listener, *,
+                           graceful_timeout: float, shutdown_trigger: Callable[[], Awaitable[None]],
+                           max_header_bytes: int) -> None:
     config = _BoundConfig([listener.sock])
     config.h11_max_incomplete_size = max_header_bytes  # a longer head is refused before parsing
     config.graceful_timeout = graceful_timeout
@@ -86,9 +109,6 @@ async def start_hypercorn(nursery: trio.Nursery, app: Any, listener: Listener, *
     config.errorlog = logging.getLogger("hypercorn.error")
     await nursery.start(functools.partial(hypercorn.trio.serve, app, config,
                                           shutdown_trigger=shutdown_trigger))
-    bound, bound_port = listener.sock.getsockname()[:2]
-    zone = listener.host.partition("%")[2]  # getsockname gives the scope as a number
-    return f"http://{_netloc(bound + '%' + zone if zone else bound, bound_port)}"
 
 
 async def _bound_socket(host: str, port: int, flags: str) -> socket.socket:

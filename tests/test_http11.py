@@ -1,0 +1,359 @@
+"""epd_trio's own HTTP/1.1 server (``epd_trio._http11``): real sockets on port 0, raw bytes
+where the framing matters, each ASGI promise the faces rely on checked on the wire."""
+
+from __future__ import annotations
+
+import functools
+import json
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+import trio
+import trio.testing
+
+from epd_trio._http11 import HTTPServerConfig, LifespanFailure, serve_http11
+from epd_trio._listen import bound_listener
+
+App = Callable[..., Awaitable[None]]
+
+
+async def _answer(send: Any, body: bytes, status: int = 200, headers: tuple = ()) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _read_body(receive: Any) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        assert message["type"] == "http.request"
+        chunks.append(message["body"])
+        if not message["more_body"]:
+            return b"".join(chunks)
+
+
+def echo_app(seen: list[dict[str, Any]] | None = None) -> App:
+    """Answers ``<method> <path>?<query> <body>``; records each request's scope."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if seen is not None:
+            seen.append(scope)
+        body = await _read_body(receive)
+        await _answer(send, b"%s %s?%s %s" % (scope["method"].encode(), scope["path"].encode(),
+                                               scope["query_string"], body))
+
+    return app
+
+
+async def _lifespan(receive: Any, send: Any, on_startup: Callable[[], None] = lambda: None) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            on_startup()
+            await send({"type": "lifespan.startup.complete"})
+        else:
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+@asynccontextmanager
+async def serving(app: App, **config: Any) -> AsyncIterator[tuple[str, trio.Event]]:
+    """``app`` served on 127.0.0.1:0 for the block → (base URL, the shutdown trigger)."""
+    stop = trio.Event()
+    async with bound_listener("127.0.0.1", 0) as listener, trio.open_nursery() as nursery:
+        await nursery.start(functools.partial(serve_http11, app, [listener.sock],
+                                              HTTPServerConfig(**config), shutdown_trigger=stop.wait))
+        yield f"http://127.0.0.1:{listener.sock.getsockname()[1]}", stop
+        stop.set()
+
+
+async def connect(url: str) -> trio.SocketStream:
+    return await trio.open_tcp_stream("127.0.0.1", int(url.rsplit(":", 1)[1]))
+
+
+async def read_until_closed(stream: trio.SocketStream) -> bytes:
+    data = b""
+    with trio.fail_after(10):
+        while chunk := await stream.receive_some(65536):
+            data += chunk
+    return data
+
+
+def split_answers(raw: bytes) -> list[tuple[bytes, bytes]]:
+    """``[(head, body)]`` of Content-Length answers, in order."""
+    answers = []
+    while raw:
+        head, _, rest = raw.partition(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        answers.append((head, rest[:length]))
+        raw = rest[length:]
+    return answers
+
+
+async def test_keep_alive_requests_and_the_scope() -> None:
+    seen: list[dict[str, Any]] = []
+    async with serving(echo_app(seen)) as (url, _), httpx.AsyncClient(base_url=url) as client:
+        first = await client.post("/a%20b", params={"x": "1"}, content=b"hello")
+        second = await client.get("/again")
+    assert first.status_code == 200 and first.text == "POST /a b?x=1 hello"
+    assert second.text == "GET /again? "
+    assert first.headers["date"].endswith(" GMT")
+    scope = seen[0]
+    assert scope["raw_path"] == b"/a%20b" and scope["http_version"] == "1.1"
+    assert scope["client"][0] == "127.0.0.1" and scope["server"][1] == int(url.rsplit(":", 1)[1])
+    assert (b"content-length", b"5") in scope["headers"]
+    assert seen[0]["client"] == seen[1]["client"]  # one connection, kept alive
+
+
+async def test_pipelined_requests_are_answered_in_order_on_one_connection() -> None:
+    async with serving(echo_app()) as (url, _):
+        async with await connect(url) as stream:
+            await stream.send_all(b"POST /1 HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\none"
+                                  b"GET /2 HTTP/1.1\r\nHost: x\r\n\r\n"
+                                  b"GET /3 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            answers = split_answers(await read_until_closed(stream))
+    assert [body for _, body in answers] == [b"POST /1? one", b"GET /2? ", b"GET /3? "]
+
+
+async def test_a_chunked_body_after_100_continue() -> None:
+    async with serving(echo_app()) as (url, _):
+        async with await connect(url) as stream:
+            await stream.send_all(b"POST /c HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                                  b"Expect: 100-continue\r\nConnection: close\r\n\r\n")
+            with trio.fail_after(10):
+                interim = await stream.receive_some(65536)
+            assert interim.startswith(b"HTTP/1.1 100 ")
+            await stream.send_all(b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
+            raw = await read_until_closed(stream)
+    assert raw.startswith(b"HTTP/1.1 200 ") and raw.endswith(b"POST /c? abcde")
+
+
+async def test_a_head_over_the_limit_in_pieces_is_431_json_and_closes() -> None:
+    async with serving(echo_app(), max_header_bytes=1024) as (url, _):
+        async with await connect(url) as stream:
+            await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n")
+            for _ in range(40):  # the head never ends; h11 refuses it once it is over the limit
+                try:
+                    await stream.send_all(b"X-Pad: " + b"p" * 60 + b"\r\n")
+                except trio.BrokenResourceError:
+                    break
+            raw = await read_until_closed(stream)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431 ") and b"connection: close" in head.lower()
+    assert json.loads(body)["error"]["type"] == "HeadersTooLargeError"
+
+
+async def test_a_malformed_request_is_400_json_and_closes() -> None:
+    async with serving(echo_app()) as (url, _):
+        async with await connect(url) as stream:
+            await stream.send_all(b"NOT HTTP AT ALL\r\n\r\n")
+            raw = await read_until_closed(stream)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ")
+    error = json.loads(body)
+    assert error["error"]["type"] == "RequestError" and "malformed" in error["error"]["message"]
+
+
+@pytest.mark.parametrize("fault", ["raises", "leaves"])
+async def test_an_app_that_gives_no_answer_is_a_500_and_the_connection_closes(fault: str,
+                                                                               caplog: Any) -> None:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+        elif fault == "raises":
+            raise ZeroDivisionError("a bug")
+
+    async with serving(app) as (url, _):
+        async with await connect(url) as stream:
+            await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            raw = await read_until_closed(stream)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 500 ") and b"connection: close" in head.lower()
+    assert json.loads(body)["error"]["type"] == "InternalError"
+    assert ("a bug" in caplog.text) == (fault == "raises")
+
+
+async def test_a_client_that_leaves_is_a_disconnect_to_the_app() -> None:
+    told = trio.Event()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            return await _lifespan(receive, send)
+        await _read_body(receive)
+        assert (await receive())["type"] == "http.disconnect"  # blocks until the client leaves
+        told.set()
+
+    async with serving(app) as (url, _):
+        async with await connect(url) as stream:
+            await stream.send_all(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
+            await trio.sleep(0.05)
+            assert not told.is_set()
+            await stream.aclose()
+            with trio.fail_after(10):
+                await told.wait()
+
+
+async def test_receive_after_the_answer_is_a_disconnect_and_pipelined_bytes_are_kept() -> None:
+    """A disconnect watcher blocked in ``receive()`` is released by the answer, and a next
+    request that arrived while it read is served, not lost."""
+    watched = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            return await _lifespan(receive, send)
+        await _read_body(receive)
+
+        async def watch() -> None:
+            watched.append((await receive())["type"])
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            await trio.sleep(0.1)  # the pipelined request arrives while the watcher reads
+            await _answer(send, scope["path"].encode())
+
+    async with serving(app) as (url, _):
+        async with await connect(url) as stream:
+            await stream.send_all(b"GET /1 HTTP/1.1\r\nHost: x\r\n\r\n")
+            await trio.sleep(0.02)
+            await stream.send_all(b"GET /2 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            answers = split_answers(await read_until_closed(stream))
+    assert [body for _, body in answers] == [b"/1", b"/2"]
+    assert watched == ["http.disconnect", "http.disconnect"]
+
+
+async def test_head_sends_no_body_and_a_streamed_answer_is_chunked() -> None:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            return await _lifespan(receive, send)
+        await _read_body(receive)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ab", "more_body": True})
+        await send({"type": "http.response.body", "body": b"cd"})
+
+    async with serving(app) as (url, _), httpx.AsyncClient(base_url=url) as client:
+        streamed = await client.get("/")
+        head = await client.head("/")
+    assert streamed.headers["transfer-encoding"] == "chunked" and streamed.content == b"abcd"
+    assert head.status_code == 200 and head.content == b""
+
+
+async def test_an_idle_connection_closes_after_the_keep_alive_timeout(
+        autojump_clock: trio.testing.MockClock) -> None:
+    async with serving(echo_app(), keep_alive_timeout=5.0) as (url, _):
+        async with await connect(url) as stream:
+            await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            start = trio.current_time()
+            raw = await read_until_closed(stream)  # the answer, then the close of the idle connection
+    assert raw.startswith(b"HTTP/1.1 200 ")
+    assert trio.current_time() - start == pytest.approx(5.0, abs=0.5)
+
+
+async def test_shutdown_closes_idle_connections_and_lets_a_busy_one_finish() -> None:
+    release = trio.Event()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            return await _lifespan(receive, send)
+        await _read_body(receive)
+        if scope["path"] == "/slow":
+            await release.wait()
+        await _answer(send, b"done")
+
+    async with serving(app, graceful_timeout=30.0) as (url, stop):
+        async with await connect(url) as idle, await connect(url) as busy:
+            await idle.send_all(b"GET /fast HTTP/1.1\r\nHost: x\r\n\r\n")
+            with trio.fail_after(10):
+                assert (await idle.receive_some(65536)).startswith(b"HTTP/1.1 200 ")
+            await busy.send_all(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+            await trio.sleep(0.05)
+            stop.set()
+            assert await read_until_closed(idle) == b""  # closed at once, not after its timeout
+            release.set()
+            raw = await read_until_closed(busy)
+    assert raw.startswith(b"HTTP/1.1 200 ") and b"connection: close" in raw.lower()
+    with pytest.raises(OSError):  # and nothing listens any more
+        socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=5).close()
+
+
+async def test_a_request_past_the_graceful_timeout_is_cancelled(
+        autojump_clock: trio.testing.MockClock) -> None:
+    cancelled = trio.Event()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            return await _lifespan(receive, send)
+        try:
+            await trio.sleep_forever()
+        finally:
+            cancelled.set()
+
+    async with serving(app, graceful_timeout=3.0) as (url, stop):
+        async with await connect(url) as stream:
+            await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            await trio.sleep(1)
+            start = trio.current_time()
+            stop.set()
+            assert await read_until_closed(stream) == b""
+            await cancelled.wait()
+    assert trio.current_time() - start == pytest.approx(3.0, abs=0.5)
+
+
+async def test_lifespan_startup_runs_before_the_first_request_and_a_failure_is_raised() -> None:
+    order: list[str] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            return await _lifespan(receive, send, on_startup=lambda: order.append("startup"))
+        order.append("request")
+        await _answer(send, b"")
+
+    async with serving(app) as (url, _), httpx.AsyncClient(base_url=url) as client:
+        await client.get("/")
+    assert order == ["startup", "request"]
+
+    async def failing(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "lifespan.startup.failed", "message": "no model"})
+
+    async with bound_listener("127.0.0.1", 0) as listener:
+        with pytest.raises(LifespanFailure, match="no model"):
+            await serve_http11(failing, [listener.sock], HTTPServerConfig(), shutdown_trigger=trio.sleep_forever)
+
+
+async def test_an_app_without_lifespan_support_is_served() -> None:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            raise ValueError("only http")
+        await _answer(send, b"ok")
+
+    async with serving(app) as (url, _), httpx.AsyncClient(base_url=url) as client:
+        assert (await client.get("/")).text == "ok"
+
+
+async def test_an_answer_before_the_body_is_read_reaches_a_client_still_sending_it() -> None:
+    """A 413 given on the head alone closes the connection; the close drops the rest of the
+    body instead of resetting the connection, which would destroy the answer unread."""
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            return await _lifespan(receive, send)
+        await _answer(send, b"too large", status=413, headers=((b"connection", b"close"),))
+
+    size = 8 << 20
+    async with serving(app) as (url, _):
+        async with await connect(url) as stream:
+            await stream.send_all(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % size)
+            with trio.fail_after(10):
+                for _ in range(size // 65536):  # the whole body, as clients that write first do
+                    await stream.send_all(b"b" * 65536)
+            raw = await read_until_closed(stream)
+    assert raw.startswith(b"HTTP/1.1 413 ") and raw.endswith(b"too large")
