@@ -49,12 +49,15 @@ import trio
 
 from epd_trio.errors import HeadersTooLargeError, RequestError, error_body, http_status
 
-__all__ = ["HTTPServerConfig", "LifespanFailure", "serve_http11"]
+__all__ = ["CLOSES_AFTER_APP", "HTTPServerConfig", "LifespanFailure", "serve_http11"]
 
 log = logging.getLogger(__name__)
 
 MAX_RECV: Final = 1 << 16
 _ASGI: Final = {"version": "3.0", "spec_version": "2.3"}
+# The scope extension that says this server closes a connection after its app has returned,
+# never inside a ``send``: an app need not shield its sends (``_http.guarded_app`` reads it).
+CLOSES_AFTER_APP: Final = "epd_trio.closes_after_app"
 _CLOSE_TIMEOUT: Final = 5.0  # seconds a closing socket may take to flush (shielded)
 _LINGER: Final = 2.0  # seconds a close reads (and drops) a body the client is still sending
 
@@ -270,7 +273,8 @@ class _Connection:
             "method": request.method.decode("ascii").upper(), "scheme": "http",
             "path": unquote(path.decode("ascii", "replace")), "raw_path": path, "query_string": query,
             "root_path": "", "headers": list(request.headers), "client": self.client,
-            "server": self.local, "state": self.server.state.copy(), "extensions": {},
+            "server": self.local, "state": self.server.state.copy(),
+            "extensions": {CLOSES_AFTER_APP: {}},
         }
 
     async def _refuse(self, exc: h11.RemoteProtocolError) -> None:
@@ -386,6 +390,8 @@ class _Server:
         self.connections.add(connection)
         try:
             await connection.run()
+        except Exception:  # a bug of ours on one connection must not end the server
+            log.exception("HTTP connection from %s failed", connection.client)
         finally:
             self.connections.discard(connection)
 

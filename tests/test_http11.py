@@ -357,3 +357,27 @@ async def test_an_answer_before_the_body_is_read_reaches_a_client_still_sending_
                     await stream.send_all(b"b" * 65536)
             raw = await read_until_closed(stream)
     assert raw.startswith(b"HTTP/1.1 413 ") and raw.endswith(b"too large")
+
+
+@pytest.mark.parametrize("closes_after_app", [True, False])
+async def test_guarded_sends_are_shielded_only_where_the_server_closes_inside_a_send(
+        closes_after_app: bool, autojump_clock: trio.testing.MockClock) -> None:
+    """Hypercorn closes a ``Connection: close`` socket inside the last ``send``, so a cancelled
+    handler must not cut that send short; the built-in server closes after the app returns."""
+    from epd_trio._http import guarded_app
+    from epd_trio._http11 import CLOSES_AFTER_APP
+
+    finished: list[bool] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        await trio.sleep(1)  # cancelled here unless shielded
+        finished.append(True)
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        with trio.move_on_after(0.01):
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    scope = {"type": "http", "headers": [], "path": "/", "raw_path": b"/", "query_string": b"",
+             "extensions": {CLOSES_AFTER_APP: {}} if closes_after_app else {}}
+    await guarded_app(app, max_header_bytes=1024)(scope, None, send)
+    assert finished == ([] if closes_after_app else [True])

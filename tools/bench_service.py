@@ -510,10 +510,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-requests", type=int, default=300)
     p.add_argument("--omp-wait-policy", choices=("passive", "active"), default=None,
                    help="set OMP_WAIT_POLICY before torch loads (default: leave the environment)")
+    p.add_argument("--http-server", choices=("builtin", "hypercorn"), default="builtin",
+                   help="the encoder's HTTP server (--http-server)")
     return p.parse_args(argv)
 
 
-async def run_server(engine_config: Any, body: Callable[[dict[str, Call], Any], Awaitable[Any]]) -> Any:
+async def run_server(engine_config: Any, body: Callable[[dict[str, Call], Any], Awaitable[Any]],
+                     http_server: str = "builtin") -> Any:
     """An encoder server (HTTP and gRPC), a client, an HTTP client and the client's gRPC
     channels, all in this process and trio run; ``body(paths, engine)``."""
     import httpx
@@ -523,7 +526,8 @@ async def run_server(engine_config: Any, body: Callable[[dict[str, Call], Any], 
     from epd_trio.config import EncoderConfig
     from epd_trio.encoder.server import serve_encoder
 
-    async with serve_encoder(EncoderConfig(port=0, grpc_port=0, engine=engine_config)) as server, \
+    config = EncoderConfig(port=0, grpc_port=0, http_server=http_server, engine=engine_config)
+    async with serve_encoder(config) as server, \
             open_encoder_client(encoder_urls=[server.url]) as client, \
             httpx.AsyncClient(timeout=120) as http, GrpcChannels() as grpc:
         return await body(request_paths(server, client, http, grpc), server.service.engine)
@@ -552,7 +556,7 @@ def latency_part(args: argparse.Namespace, tmp: str) -> bool | None:
         return result
 
     t0 = time.perf_counter()
-    result = trio.run(run_server, EngineConfig(cache_dir=tmp), body)
+    result = trio.run(run_server, EngineConfig(cache_dir=tmp), body, args.http_server)
     return report_latency(result, f"latency, tiny model ({time.perf_counter() - t0:.0f}s incl. start):")
 
 
@@ -590,7 +594,7 @@ def throughput_part(args: argparse.Namespace, tmp: str) -> bool | None:
 
     t0 = time.perf_counter()
     config = EngineConfig(model_path=str(model_dir), dtype=args.dtype, max_batch_size=max_batch)
-    rows, faces = trio.run(run_server, config, body)
+    rows, faces = trio.run(run_server, config, body, args.http_server)
     took = f"{time.perf_counter() - t0:.0f}s incl. load and warm-up"
     ok = report_throughput(rows, n, f"throughput, {spec.name} ({took}):") if rows else None
     if faces is not None:

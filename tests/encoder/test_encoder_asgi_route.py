@@ -112,12 +112,13 @@ async def test_streamed_body_over_the_limit_is_413(encoder: Any) -> None:
         assert (await http.get("/stats")).json()["live_requests"] == 0
 
 
-async def test_a_body_that_never_ends_is_408_within_the_request_timeout(encoder: Any) -> None:
+@pytest.mark.parametrize("sent", [[b'{"req_id"'], []], ids=["never-ends", "never-starts"])
+async def test_a_body_that_never_ends_is_408_within_the_request_timeout(encoder: Any, sent: list[bytes]) -> None:
     async with encoder(request_timeout=1.0) as (server, http):
         head = (b"POST /encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                 b"Content-Length: 100\r\n\r\n")
         started = trio.current_time()
-        status, headers, body = status_and_json(await raw_exchange(server.url, head, [b'{"req_id"']))
+        status, headers, body = status_and_json(await raw_exchange(server.url, head, sent))
         assert status == 408 and headers["connection"] == "close"
         assert body["error"]["type"] == "BodyTimeoutError" and "1 s" in body["error"]["message"]
         assert 0.9 <= trio.current_time() - started < 10
