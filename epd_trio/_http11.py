@@ -72,6 +72,7 @@ class LifespanFailure(RuntimeError):
 class HTTPServerConfig:
     max_header_bytes: int = 16 * 1024  # a head longer than this, arriving in pieces: 431
     keep_alive_timeout: float = 5.0  # seconds for a (next) request's head to arrive
+    write_timeout: float = 60.0  # seconds one write of an answer may wait for a client to read
     graceful_timeout: float = 5.0  # seconds busy connections get after the shutdown trigger
     lifespan_timeout: float = 60.0  # seconds for the app's startup and its shutdown each
 
@@ -339,15 +340,21 @@ class _Connection:
         return data
 
     async def write(self, data: bytes) -> None:
+        """Send ``data``; a client gone or too slow to read (``write_timeout``) ends the connection."""
         if self.gone or self.broken:
             return
         try:
-            await self.stream.send_all(data)
+            with trio.move_on_after(self.server.config.write_timeout) as timer:
+                await self.stream.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self.gone = True
         except BaseException:  # cancelled mid-write: part of an answer may be on the wire
             self.broken = True
             raise
+        if timer.cancelled_caught:
+            log.info("HTTP client %s read no answer within %g s: closing", self.client,
+                     self.server.config.write_timeout)
+            self.broken = True
 
     async def _close(self) -> None:
         with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_TIMEOUT):

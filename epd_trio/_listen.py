@@ -52,7 +52,7 @@ class _BoundConfig(hypercorn.config.Config):
 
 @dataclass(frozen=True)
 class Listener:
-    """A bound TCP socket, owned by its ``bound_listener`` block; Hypercorn listens on it."""
+    """A bound TCP socket, owned by its ``bound_listener`` block; the HTTP server listens on it."""
 
     host: str  # as configured: its zone id, if any, goes into the URL
     sock: socket.socket

@@ -381,3 +381,26 @@ async def test_guarded_sends_are_shielded_only_where_the_server_closes_inside_a_
              "extensions": {CLOSES_AFTER_APP: {}} if closes_after_app else {}}
     await guarded_app(app, max_header_bytes=1024)(scope, None, send)
     assert finished == ([] if closes_after_app else [True])
+
+
+async def test_a_client_that_reads_no_answer_is_dropped_after_the_write_timeout(
+        autojump_clock: trio.testing.MockClock) -> None:
+    sent = trio.Event()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            return await _lifespan(receive, send)
+        await _answer(send, b"x" * (64 << 20))  # far more than the socket buffers hold
+        sent.set()
+
+    async with serving(app, write_timeout=60.0) as (url, _):
+        async with await connect(url) as stream:
+            await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            start = trio.current_time()
+            await sent.wait()  # the app's send returns: the server gave up on this client
+            assert trio.current_time() - start == pytest.approx(60.0, abs=1.0)
+            got = 0
+            with trio.fail_after(120):
+                while chunk := await stream.receive_some(1 << 20):  # what was sent, then the close
+                    got += len(chunk)
+    assert 0 < got < 64 << 20  # cut short: the connection was closed mid-answer

@@ -16,10 +16,12 @@ request. A client that disconnects cancels the handler (the service then
 aborts the request's scope). Another method is a 405, a bug a logged 500, and
 every error the face's JSON shape.
 
-Every ``send``, the Quart app's too, is ``_http.shielded_send``: cancelling a
-send could leave a ``Connection: close`` socket open. For the same reason a
-reply has no timeout of its own: Hypercorn shields its socket writes, so one
-could only have cut that close short.
+Under Hypercorn every ``send``, the Quart app's too, is ``_http.shielded_send``:
+cancelling a send could leave a ``Connection: close`` socket open (the built-in
+server closes only after the app returns, and says so; ``_http.guarded_app``).
+For the same reason a reply has no timeout of its own: the built-in server
+bounds each write itself (``HTTPServerConfig.write_timeout``), and Hypercorn
+shields its socket writes, so a timeout here could only cut a close short.
 """
 
 from __future__ import annotations
