@@ -37,6 +37,7 @@ import functools
 import json
 import logging
 import socket
+import struct
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -60,6 +61,8 @@ _ASGI: Final = {"version": "3.0", "spec_version": "2.3"}
 CLOSES_AFTER_APP: Final = "epd_trio.closes_after_app"
 _CLOSE_TIMEOUT: Final = 5.0  # seconds a closing socket may take to flush (shielded)
 _LINGER: Final = 2.0  # seconds a close reads (and drops) a body the client is still sending
+_WRITE_SLICE: Final = 1 << 20  # a large answer is written in slices, each under write_timeout
+_RESET: Final = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() resets the connection
 
 ASGIApp = Callable[..., Awaitable[None]]
 
@@ -72,7 +75,7 @@ class LifespanFailure(RuntimeError):
 class HTTPServerConfig:
     max_header_bytes: int = 16 * 1024  # a head longer than this, arriving in pieces: 431
     keep_alive_timeout: float = 5.0  # seconds for a (next) request's head to arrive
-    write_timeout: float = 60.0  # seconds one write of an answer may wait for a client to read
+    write_timeout: float = 60.0  # seconds a write may wait for the client to read (per MiB slice)
     graceful_timeout: float = 5.0  # seconds busy connections get after the shutdown trigger
     lifespan_timeout: float = 60.0  # seconds for the app's startup and its shutdown each
 
@@ -106,14 +109,15 @@ class _Cycle:
         self._start: dict[str, Any] | None = None
         self._waiter: trio.CancelScope | None = None
         self._pending: Any = None  # an h11 event read ahead while joining the body
+        self.malformed: h11.RemoteProtocolError | None = None  # the body broke its framing
 
     # ---- receive ----------------------------------------------------------
     async def receive(self) -> dict[str, Any]:
-        if not self.body_done and not self.complete and not self._conn.gone:
+        if not self.body_done and not self.complete and not self._conn.gone and self.malformed is None:
             message = await self._body_message()
             if message is not None:
                 return message
-        if not self.complete and not self._conn.gone:
+        if not self.complete and not self._conn.gone and self.malformed is None:
             await self._wait_gone_or_complete()
         return {"type": "http.disconnect"}
 
@@ -122,8 +126,8 @@ class _Cycle:
             await self._conn.write(self._h11.send(h11.InformationalResponse(status_code=100, headers=[])))
         try:
             event = self._pending if self._pending is not None else await self._conn.next_event()
-        except h11.RemoteProtocolError:  # a broken chunked body: nothing more can be read
-            self._conn.gone = True
+        except h11.RemoteProtocolError as exc:  # a broken chunked body: nothing more can be read
+            self.malformed = exc  # the app hears a disconnect; the server answers 400
             return None
         self._pending = None
         if isinstance(event, h11.Data):
@@ -183,9 +187,21 @@ class _Cycle:
         assert self._start is not None
         headers = [(bytes(k), bytes(v)) for k, v in self._start.get("headers", ())]
         headers.append(self._conn.server.date.header())
-        if self._conn.server.closing:
+        if self._conn.server.closing or not self._body_read():  # an unread body ends it too
+            headers = [h for h in headers if h[0].lower() != b"connection"]
             headers.append((b"connection", b"close"))
         return h11.Response(status_code=int(self._start["status"]), headers=headers)
+
+    def _body_read(self) -> bool:
+        """Whether the request's body has been read whole, taking what is already buffered
+        (a body-less request's end, a body the app did not want) without waiting for more."""
+        while not self.body_done and self.malformed is None:
+            event = self._pending if self._pending is not None else self._conn.event_in_buffer()
+            self._pending = None
+            if event is None or isinstance(event, h11.ConnectionClosed):
+                return False
+            self.body_done = isinstance(event, h11.EndOfMessage)
+        return self.body_done
 
     def finish(self) -> None:
         """The answer is over: a disconnect watcher's ``receive()`` returns."""
@@ -220,9 +236,9 @@ class _Connection:
         self.broken = False  # a write was cut short: the stream cannot carry another answer
         self.idle: trio.CancelScope | None = None  # set while waiting for a head
         self.busy = False
-        sock = stream.socket
-        self.client = _address(sock.getpeername())
-        self.local = _address(sock.getsockname())
+        self.client = _address(stream.socket.getpeername)
+        self.local = _address(stream.socket.getsockname)
+        self._writing = trio.Lock()  # quart-trio sends a 100 Continue from a second task
 
     async def run(self) -> None:
         try:
@@ -254,6 +270,11 @@ class _Connection:
 
     async def _serve(self, request: h11.Request) -> None:
         cycle = _Cycle(self, request)
+        names = {name for name, _ in request.headers}
+        if b"content-length" in names and b"transfer-encoding" in names:  # RFC 9112 6.1: smuggling
+            await cycle.send_error(RequestError("a request may not have both Content-Length and "
+                                                "Transfer-Encoding"))
+            return
         self.busy = True
         try:
             await self.server.app(self._scope(request), cycle.receive, cycle.send)
@@ -261,7 +282,9 @@ class _Connection:
             log.exception("the ASGI app failed on %s %s", request.method.decode(), request.target.decode("latin-1"))
         finally:
             self.busy = False
-        if not cycle.started and not self.gone:
+        if not cycle.started and cycle.malformed is not None:
+            await cycle.send_error(RequestError(f"malformed HTTP request body: {cycle.malformed}"))
+        elif not cycle.started and not self.gone:
             await cycle.send_error(RuntimeError("the app gave no answer"))  # a bug: 500
         elif not cycle.complete:  # left mid-answer: the stream cannot carry another
             self.broken = True
@@ -340,23 +363,43 @@ class _Connection:
         return data
 
     async def write(self, data: bytes) -> None:
-        """Send ``data``; a client gone or too slow to read (``write_timeout``) ends the connection."""
+        """Send ``data`` in order with any other task's (h11 made the bytes in order); a client
+        gone, or reading no MiB of it within ``write_timeout``, ends the connection."""
         if self.gone or self.broken:
             return
         try:
-            with trio.move_on_after(self.server.config.write_timeout) as timer:
-                await self.stream.send_all(data)
+            self._writing.acquire_nowait()  # no checkpoint when nothing else writes
+        except trio.WouldBlock:
+            await self._writing.acquire()
+        try:
+            await self._write_slices(memoryview(data))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self.gone = True
         except BaseException:  # cancelled mid-write: part of an answer may be on the wire
             self.broken = True
             raise
-        if timer.cancelled_caught:
-            log.info("HTTP client %s read no answer within %g s: closing", self.client,
-                     self.server.config.write_timeout)
-            self.broken = True
+        finally:
+            self._writing.release()
+
+    async def _write_slices(self, data: memoryview) -> None:
+        timeout = self.server.config.write_timeout
+        for start in range(0, max(len(data), 1), _WRITE_SLICE):
+            with trio.move_on_after(timeout) as timer:
+                await self.stream.send_all(data[start:start + _WRITE_SLICE])
+            if timer.cancelled_caught:
+                log.info("HTTP client %s read nothing of its answer within %g s: closing",
+                         self.client, timeout)
+                self.broken = True
+                return
 
     async def _close(self) -> None:
+        if self.broken:  # a reset, not a FIN: a cut answer must not look complete (HTTP/1.0)
+            try:
+                self.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+            except OSError:
+                pass
+            await self.stream.aclose()
+            return
         with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_TIMEOUT):
             try:
                 await self.stream.send_eof()
@@ -376,7 +419,12 @@ class _Connection:
                 pass
 
 
-def _address(raw: Any) -> tuple[str, int] | None:
+def _address(get: Callable[[], Any]) -> tuple[str, int] | None:
+    """``(host, port)`` of a socket's end; None once the client has reset the connection."""
+    try:
+        raw = get()
+    except OSError:
+        return None
     return (raw[0], raw[1]) if isinstance(raw, tuple) and len(raw) >= 2 else None
 
 
@@ -399,6 +447,8 @@ class _Server:
             await connection.run()
         except Exception:  # a bug of ours on one connection must not end the server
             log.exception("HTTP connection from %s failed", connection.client)
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
         finally:
             self.connections.discard(connection)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import socket
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -269,7 +270,7 @@ async def test_shutdown_closes_idle_connections_and_lets_a_busy_one_finish() -> 
             await release.wait()
         await _answer(send, b"done")
 
-    async with serving(app, graceful_timeout=30.0) as (url, stop):
+    async with serving(app, graceful_timeout=30.0, keep_alive_timeout=60.0) as (url, stop):
         async with await connect(url) as idle, await connect(url) as busy:
             await idle.send_all(b"GET /fast HTTP/1.1\r\nHost: x\r\n\r\n")
             with trio.fail_after(10):
@@ -277,7 +278,8 @@ async def test_shutdown_closes_idle_connections_and_lets_a_busy_one_finish() -> 
             await busy.send_all(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
             await trio.sleep(0.05)
             stop.set()
-            assert await read_until_closed(idle) == b""  # closed at once, not after its timeout
+            with trio.fail_after(5):  # at once, not after its 60 s keep-alive
+                assert await read_until_closed(idle) == b""
             release.set()
             raw = await read_until_closed(busy)
     assert raw.startswith(b"HTTP/1.1 200 ") and b"connection: close" in raw.lower()
@@ -400,7 +402,112 @@ async def test_a_client_that_reads_no_answer_is_dropped_after_the_write_timeout(
             await sent.wait()  # the app's send returns: the server gave up on this client
             assert trio.current_time() - start == pytest.approx(60.0, abs=1.0)
             got = 0
-            with trio.fail_after(120):
-                while chunk := await stream.receive_some(1 << 20):  # what was sent, then the close
+            with trio.fail_after(120), pytest.raises(trio.BrokenResourceError):
+                while chunk := await stream.receive_some(1 << 20):  # what was sent, then the reset
                     got += len(chunk)
-    assert 0 < got < 64 << 20  # cut short: the connection was closed mid-answer
+    assert 0 < got < 64 << 20  # cut short, and reset: a cut answer must not look complete
+
+
+async def test_a_client_that_resets_before_it_is_served_does_not_end_the_server() -> None:
+    """``getpeername`` fails on a connection reset before its task runs: that one closes."""
+    async with serving(echo_app()) as (url, _), httpx.AsyncClient(base_url=url) as client:
+        port = int(url.rsplit(":", 1)[1])
+
+        def connect_and_reset() -> None:
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            sock.close()
+
+        for _ in range(3):
+            # Run with the trio thread held (a blocking join): the server accepts only after
+            # the reset has landed, as a busy server does.
+            thread = threading.Thread(target=connect_and_reset)
+            thread.start()
+            thread.join()
+            await trio.sleep(0.05)
+        assert (await client.get("/still")).text == "GET /still? "
+
+
+async def test_content_length_with_transfer_encoding_is_400_and_closes() -> None:
+    seen: list[dict[str, Any]] = []
+    async with serving(echo_app(seen)) as (url, _):
+        async with await connect(url) as stream:
+            await stream.send_all(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n"
+                                  b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+                                  b"GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n")
+            raw = await read_until_closed(stream)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"connection: close" in head.lower()
+    assert b"Transfer-Encoding" in body and seen == []  # the app never saw either request
+
+
+async def test_an_answer_that_leaves_the_body_unread_says_it_closes() -> None:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            return await _lifespan(receive, send)
+        await _answer(send, scope["path"].encode())  # reads no body
+
+    async with serving(app) as (url, _):
+        async with await connect(url) as stream:
+            await stream.send_all(b"GET /bodiless HTTP/1.1\r\nHost: x\r\n\r\n"
+                                  b"POST /unread HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n12345")
+            answers = split_answers(await read_until_closed(stream))
+    assert [body for _, body in answers] == [b"/bodiless", b"/unread"]
+    assert b"connection: close" not in answers[0][0].lower()  # a body-less request keeps it
+    assert b"connection: close" in answers[1][0].lower()
+
+
+async def test_a_malformed_chunked_body_is_400() -> None:
+    async with serving(echo_app()) as (url, _):
+        async with await connect(url) as stream:
+            await stream.send_all(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                  b"zz\r\nnot a chunk\r\n")
+            raw = await read_until_closed(stream)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and json.loads(body)["error"]["type"] == "RequestError"
+
+
+async def test_http_1_0_is_answered_and_closed() -> None:
+    async with serving(echo_app()) as (url, _):
+        async with await connect(url) as stream:
+            await stream.send_all(b"GET /old HTTP/1.0\r\n\r\n")
+            raw = await read_until_closed(stream)
+    assert raw.startswith(b"HTTP/1.1 200 ") and raw.endswith(b"GET /old? ")
+
+
+async def test_an_app_that_stops_mid_answer_resets_the_connection() -> None:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            return await _lifespan(receive, send)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"part1", "more_body": True})
+        raise RuntimeError("a bug mid-answer")
+
+    async with serving(app) as (url, _):
+        async with await connect(url) as stream:
+            await stream.send_all(b"GET / HTTP/1.0\r\n\r\n")  # HTTP/1.0: a close ends the body
+            raw = b""
+            with pytest.raises(trio.BrokenResourceError), trio.fail_after(10):
+                while chunk := await stream.receive_some(65536):
+                    raw += chunk
+    assert raw.startswith(b"HTTP/1.1 200 ") and raw.endswith(b"part1")
+
+
+async def test_100_continue_and_an_early_answer_from_quart_reach_the_client_whole() -> None:
+    """quart-trio reads the body (and so sends the 100) in one task and answers in another:
+    the two writes take turns, never a ``BusyResourceError`` and a lost answer."""
+    from quart_trio import QuartTrio
+
+    quart = QuartTrio(__name__)
+
+    @quart.route("/", methods=["POST"])
+    async def refuse() -> tuple[str, int]:
+        return "no", 401
+
+    async with serving(quart) as (url, _):
+        for _ in range(20):
+            async with await connect(url) as stream:
+                await stream.send_all(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n"
+                                      b"Expect: 100-continue\r\nConnection: close\r\n\r\n")
+                raw = await read_until_closed(stream)
+            assert b"HTTP/1.1 401 " in raw and raw.endswith(b"no"), raw
