@@ -198,7 +198,7 @@ class _Cycle:
         while not self.body_done and self.malformed is None:
             event = self._pending if self._pending is not None else self._conn.event_in_buffer()
             self._pending = None
-            if event is None or isinstance(event, h11.ConnectionClosed):
+            if event is None or event is h11.PAUSED or isinstance(event, h11.ConnectionClosed):
                 return False
             self.body_done = isinstance(event, h11.EndOfMessage)
         return self.body_done
