@@ -7,7 +7,7 @@ project's 2-core VM before the app ran at all — a task and a memory channel pe
 request, an idle-timeout task restarted after every response, a lock, a shield
 and a ``send_all`` per h11 event (three per answer). Here a connection is one
 task that parses with h11, runs the app in that same task, sends an answer's
-head and body in one write, and bounds idle keep-alive with a cancel scope
+head and body in one write (up to 1 MiB), and bounds idle keep-alive with a cancel scope
 instead of a task (README, *The HTTP server*).
 
 What it serves is exactly what the faces need: HTTP/1.1 and 1.0 over TCP,
@@ -23,8 +23,12 @@ The ASGI contract, as the apps rely on it:
   meanwhile are kept for its next request (at most one head's worth is read).
 * ``send()`` to a client that has gone returns quietly; the connection closes.
 * A request the app leaves unanswered is a 500; a head h11 refuses (malformed,
-  over ``max_header_bytes``) is its 400 or 431, closing; a head that does not
-  arrive within ``keep_alive_timeout`` closes the connection.
+  over ``max_header_bytes``), a broken chunked body and ``Content-Length`` with
+  ``Transfer-Encoding`` are its 400 or 431, closing; a head that does not arrive
+  within ``keep_alive_timeout`` closes the connection.
+* An answer given while the body is unread closes the connection (and says so);
+  one cut short (an app's bug, a client reading no MiB of it in ``write_timeout``)
+  resets it, so that it cannot pass for a whole one.
 
 Graceful shutdown, as Hypercorn's: stop accepting, close idle connections at
 once, let busy ones finish their answer (each then closes) within
