@@ -215,17 +215,18 @@ class _Cycle:
 
     async def send_error(self, exc: BaseException) -> None:
         """An answer of the server's own (the app gave none), closing the connection."""
-        status, body = _error(exc)
-        self._start = {"status": status, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close")]}
+        status, headers, body = _error(exc)
+        self._start = {"status": status, "headers": headers}
         self.started = True
         await self._send_body(body, False)
 
 
-def _error(exc: BaseException) -> tuple[int, bytes]:
-    """The protocol's JSON error shape and status (``epd_trio.errors``: one mapping)."""
-    return http_status(exc), json.dumps(error_body(exc)).encode()
+def _error(exc: BaseException) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """``(status, headers, body)`` of the protocol's JSON error for ``exc``, closing the
+    connection (``epd_trio.errors``: the one status mapping)."""
+    body = json.dumps(error_body(exc)).encode()
+    return http_status(exc), [(b"content-type", b"application/json"),
+                              (b"content-length", str(len(body)).encode()), (b"connection", b"close")], body
 
 
 class _Connection:
@@ -311,12 +312,12 @@ class _Connection:
             self.gone = True
             return
         limit = self.server.config.max_header_bytes
-        status, body = _error(HeadersTooLargeError(f"request head is over {limit} bytes")
-                              if exc.error_status_hint == 431 else RequestError(f"malformed HTTP request: {exc}"))
+        status, headers, body = _error(HeadersTooLargeError(f"request head is over {limit} bytes")
+                                       if exc.error_status_hint == 431
+                                       else RequestError(f"malformed HTTP request: {exc}"))
         try:
-            data = self.h11.send(h11.Response(status_code=status, headers=[
-                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                (b"connection", b"close"), self.server.date.header()]))
+            data = self.h11.send(h11.Response(status_code=status,
+                                              headers=[*headers, self.server.date.header()]))
             data += self.h11.send(h11.Data(data=body)) + self.h11.send(h11.EndOfMessage())
         except h11.LocalProtocolError:
             data = b""
