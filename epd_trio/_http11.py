@@ -239,8 +239,7 @@ class _Connection:
         self.gone = False  # the client closed, reset, or the framing broke: no more requests
         self.eof = False  # the client closed (or reset) its side
         self.broken = False  # a write was cut short: the stream cannot carry another answer
-        self.idle: trio.CancelScope | None = None  # set while waiting for a head
-        self.busy = False
+        self.idle: trio.CancelScope | None = None  # set only while waiting for a head
         self.client = _address(stream.socket.getpeername)
         self.local = _address(stream.socket.getsockname)
         self._writing = trio.Lock()  # quart-trio sends a 100 Continue from a second task
@@ -280,13 +279,10 @@ class _Connection:
             await cycle.send_error(RequestError("a request may not have both Content-Length and "
                                                 "Transfer-Encoding"))
             return
-        self.busy = True
         try:
             await self.server.app(self._scope(request), cycle.receive, cycle.send)
         except Exception:
             log.exception("the ASGI app failed on %s %s", request.method.decode(), request.target.decode("latin-1"))
-        finally:
-            self.busy = False
         if not cycle.started and cycle.malformed is not None:
             await cycle.send_error(RequestError(f"malformed HTTP request body: {cycle.malformed}"))
         elif not cycle.started and not self.gone:
@@ -461,7 +457,7 @@ class _Server:
         """No new requests: idle connections close now, busy ones after their answer."""
         self.closing = True
         for connection in list(self.connections):
-            if connection.idle is not None and not connection.busy:
+            if connection.idle is not None:
                 connection.idle.cancel()
 
 

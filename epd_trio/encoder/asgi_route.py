@@ -119,27 +119,22 @@ class BareRoutes:
         declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
         if declared is not None and int(declared) > limit:  # h11 has checked it is a number
             raise PayloadTooLargeError("request body is over the size limit")
+        chunks: list[bytes] = []
+        size = 0
         with trio.move_on_after(self._limits.body_timeout):
-            return await _read_rest(await receive(), receive, limit)
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return None
+                chunk = message.get("body", b"")
+                if chunk:
+                    size += len(chunk)
+                    if size > limit:
+                        raise PayloadTooLargeError("request body is over the size limit")
+                    chunks.append(bytes(chunk))
+                if not message.get("more_body", False):
+                    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
         raise BodyTimeoutError(f"the request body did not arrive within {self._limits.body_timeout:g} s")
-
-
-async def _read_rest(message: dict[str, Any], receive: Any, limit: int) -> bytes | None:
-    """The body from its first ``message`` on (None if the client left), at most ``limit`` bytes."""
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        if chunk:
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLargeError("request body is over the size limit")
-            chunks.append(bytes(chunk))
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        message = await receive()
 
 
 async def _cancel_on_disconnect(receive: Any, cancel_scope: trio.CancelScope) -> None:
