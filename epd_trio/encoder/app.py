@@ -30,7 +30,7 @@ from epd_trio._http import (
     parse_json_off_loop,
 )
 from epd_trio._version import __version__
-from epd_trio.encoder.asgi_route import BareRoutes, ErrorReply, Handler, RouteLimits
+from epd_trio.encoder.asgi_route import BareRoutes, ErrorReply, Handler, RouteLimits, UntilGone, cancelled_when_gone
 from epd_trio.encoder.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from epd_trio.encoder.profiling import parse_profile_request
 from epd_trio.encoder.service import EncoderService
@@ -85,7 +85,7 @@ def bare_routes(app: QuartTrio, config: Any, routes: dict[str, Handler],
 def encode_handler(service: EncoderService) -> Handler:
     """``POST /encode``: the raw body in, the embedding (inline) or its description out."""
 
-    async def encode(raw: bytes) -> Reply:
+    async def encode(raw: bytes, until_gone: UntilGone) -> Reply:
         body: dict[str, Any] = {}
         try:
             body = await parse_json_off_loop(raw, service.deliveries.threads)
@@ -94,7 +94,7 @@ def encode_handler(service: EncoderService) -> Handler:
             service.metrics.request("unknown", exc)  # the body's modality is not to be trusted
             return error_reply(exc, _peek_req_id(body))
         try:
-            answer = await service.encode(req)
+            answer = await service.encode(req, until_gone=until_gone)
         except EPDError as exc:
             return error_reply(exc, _peek_req_id(body))
         if answer.body is not None:  # the embedding is the answer (inline)
@@ -137,7 +137,7 @@ def send_handler(service: EncoderService) -> Handler:
             return error_reply(exc, _peek_req_id(body))
         return json_reply({"req_id": req.req_id, "part_idx": req.part_idx, "nbytes": nbytes})
 
-    return send
+    return cancelled_when_gone(send)
 
 
 def _routes(app: QuartTrio, service: EncoderService) -> None:

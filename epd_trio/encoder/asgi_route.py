@@ -12,9 +12,11 @@ The routes keep the face's rules: the head-size limit (checked here for every
 route, Quart's too) and the bearer token are checked before the body is read; the body is bounded by ``max_body_bytes``
 (413) and by ``body_timeout`` (408). A reply given before the whole body was
 read closes the connection, whose unread bytes could be taken for another
-request. A client that disconnects cancels the handler (the service then
-aborts the request's scope). Another method is a 405, a bug a logged 500, and
-every error the face's JSON shape.
+request. A handler is given ``until_gone``, which returns once its client has
+left: ``/encode`` waits for its answer or that, in its own task (the service
+then aborts the request's scope); the other routes are wrapped by
+``cancelled_when_gone``, a watcher task that cancels them. Another method is
+a 405, a bug a logged 500, and every error the face's JSON shape.
 
 Under Hypercorn every ``send``, the Quart app's too, is ``_http.shielded_send``:
 cancelling a send could leave a ``Connection: close`` socket open (the built-in
@@ -37,14 +39,18 @@ from werkzeug.exceptions import MethodNotAllowed
 from epd_trio._http import BearerAuth, Reply, face_error_reply, guarded_app, send_reply
 from epd_trio.errors import BodyTimeoutError, EPDError, PayloadTooLargeError
 
-__all__ = ["ASGIApp", "BareRoutes", "ErrorReply", "Handler", "RouteLimits"]
+__all__ = ["ASGIApp", "BareRoutes", "ErrorReply", "Handler", "RouteLimits", "UntilGone",
+           "cancelled_when_gone"]
 
 log = logging.getLogger(__name__)
 
 ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[dict[str, Any]]],
                     Callable[[dict[str, Any]], Awaitable[None]]], Awaitable[None]]
-Handler = Callable[[bytes], Awaitable[Reply]]
-"""A POST route: the whole request body in, the answer out (errors as ``Reply`` too)."""
+UntilGone = Callable[[], Awaitable[None]]
+"""Returns once the request's client has left (its body read, nothing else can come)."""
+Handler = Callable[[bytes, UntilGone], Awaitable[Reply | None]]
+"""A POST route: the whole request body in, the answer out (errors as ``Reply`` too; None
+when the client left first)."""
 ErrorReply = Callable[[BaseException], Reply]
 """A face's error shape, for what the route refuses itself (ours, or werkzeug's 405)."""
 
@@ -81,28 +87,25 @@ class BareRoutes:
         if handler is None:
             await self.fallback(scope, receive, send)
             return
-        async with trio.open_nursery() as nursery:
-            reply = await self._answer(handler, scope, receive, nursery)
-            if reply is not None:
-                await send_reply(send, reply)
-            nursery.cancel_scope.cancel()  # the disconnect watcher, if it runs
+        client = _Client(receive)
+        reply = await self._answer(handler, scope, client)
+        if reply is not None and not client.gone:
+            await send_reply(send, reply)
 
-    async def _answer(self, handler: Handler, scope: dict[str, Any], receive: Any,
-                      nursery: trio.Nursery) -> Reply | None:
-        """The reply, or None when the client left before its body was read."""
+    async def _answer(self, handler: Handler, scope: dict[str, Any], client: _Client) -> Reply | None:
+        """The reply, or None when the client left before it."""
         # A reply given before the whole body was read closes the connection.
         if scope["method"] != "POST":
             return self._error_reply(MethodNotAllowed(["POST"])).closing()  # with Allow: POST
         try:
             try:
                 self._check_token(scope)
-                body = await self._read_body(scope, receive)
+                body = await self._read_body(scope, client.receive)
             except EPDError as exc:
                 return self._error_reply(exc).closing()
             if body is None:
                 return None
-            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            return await handler(body)
+            return await handler(body, client.until_gone)
         except EPDError as exc:
             return self._error_reply(exc)
         except Exception as exc:  # a bug: answer 500, keep serving
@@ -137,8 +140,44 @@ class BareRoutes:
         raise BodyTimeoutError(f"the request body did not arrive within {self._limits.body_timeout:g} s")
 
 
-async def _cancel_on_disconnect(receive: Any, cancel_scope: trio.CancelScope) -> None:
-    """Once the body is read, the next message can only be the client leaving."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
+class _Client:
+    """A request's client, as its route sees it: ``receive``, and whether it has left."""
+
+    def __init__(self, receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+        self.receive = receive
+        self.gone = False
+
+    async def until_gone(self) -> None:
+        """Once the body is read, the next message can only be the client leaving."""
+        while (await self.receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+
+
+def cancelled_when_gone(handler: Callable[[bytes], Awaitable[Reply]]) -> Handler:
+    """``handler``, cancelled if its client leaves before the answer (a watcher task beside it).
+
+    For routes whose waits are not the service's: ``/encode`` watches in its own task
+    (``EncoderService.encode``'s ``until_gone``), without the task and nursery this costs.
+    """
+
+    async def watched(body: bytes, until_gone: UntilGone) -> Reply | None:
+        reply: Reply | None = None
+        failure: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_cancel_when_gone, until_gone, nursery.cancel_scope)
+            try:
+                reply = await handler(body)
+            except Exception as exc:  # raised out here, not in the nursery's exception group
+                failure = exc
+            nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+        return reply  # None: the client left, and the watcher cancelled the handler
+
+    return watched
+
+
+async def _cancel_when_gone(until_gone: UntilGone, cancel_scope: trio.CancelScope) -> None:
+    await until_gone()
     cancel_scope.cancel()

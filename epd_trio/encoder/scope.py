@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -27,7 +27,7 @@ import outcome
 import trio
 
 from epd_trio.delivery import Answer, Delivery
-from epd_trio.errors import DuplicateRequestError, EPDError, UnknownRequestError
+from epd_trio.errors import AbortedError, DuplicateRequestError, EPDError, UnknownRequestError
 from epd_trio.protocol.requests import EncodeRequest
 
 __all__ = ["Phase", "RegistryStatistics", "RequestScope", "ScopeRegistry", "ScopeStatistics"]
@@ -82,6 +82,7 @@ class RequestScope:
         self.started = trio.current_time()
         self._answer: outcome.Outcome | None = None
         self._answered = trio.Event()
+        self._waiting: trio.CancelScope | None = None  # a wait_answer watching its client
         self._released = trio.Event()
         self._on_release = on_release
 
@@ -118,9 +119,24 @@ class RequestScope:
             raise RuntimeError(f"{self!r} was already answered")
         self._answer = result
         self._answered.set()
+        if self._waiting is not None:
+            self._waiting.cancel()
 
-    async def wait_answer(self) -> Answer:
-        await self._answered.wait()
+    async def wait_answer(self, until_gone: Callable[[], Awaitable[None]] | None = None) -> Answer:
+        """The answer; with ``until_gone`` (returns once the caller's client has left), an
+        ``AbortedError`` if the client leaves first. Both are watched in this one task: the
+        answer cancels the wait for the client, so no watcher task is needed beside it."""
+        if until_gone is None:
+            await self._answered.wait()
+        elif self._answer is None:
+            with trio.CancelScope() as waiting:
+                self._waiting = waiting
+                try:
+                    await until_gone()
+                finally:
+                    self._waiting = None
+            if self._answer is None:
+                raise AbortedError("the client went away", req_id=self.request.req_id)
         assert self._answer is not None
         return self._answer.unwrap()
 

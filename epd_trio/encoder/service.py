@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -108,14 +108,18 @@ class EncoderService:
         return self.engine.model_info
 
     async def encode(self, request: EncodeRequest, delivery: Delivery | None = None, *,
-                     deadline: float | None = None) -> Answer:
+                     deadline: float | None = None,
+                     until_gone: Callable[[], Awaitable[None]] | None = None) -> Answer:
         """Run ``request`` in its own scope and wait for its one answer.
 
         ``delivery`` defaults to the one the request asks for. The scope's
         deadline is ``--request-timeout`` from now, or the caller's own
         ``deadline`` (trio clock; a gRPC client's) when that is sooner. If the
         caller leaves (a client disconnect, a cancellation) before the answer,
-        the scope is aborted, and its receivers are told.
+        the scope is aborted, and its receivers are told. A face that can wait
+        for its client to leave passes that wait as ``until_gone`` (an HTTP
+        route: ``asgi_route.UntilGone``); the client leaving is then an
+        ``AbortedError``.
         """
         try:
             if self.draining:
@@ -132,7 +136,7 @@ class EncoderService:
         # in this caller's context, so a caller cancelled now only aborts it.
         self._nursery.start_soon(self._lifecycle, scope, name=f"request {request.req_id}")
         try:
-            return await scope.wait_answer()  # bounded: the scope has the request deadline
+            return await scope.wait_answer(until_gone)  # bounded: the scope has the request deadline
         finally:
             # Our client left (a disconnect) or we were cancelled: an abort — unless the
             # scope's own deadline has come too (a gRPC caller's deadline is the scope's; both

@@ -35,7 +35,7 @@ from werkzeug.exceptions import HTTPException
 from epd_trio._http import (JoinedBodyRequest, Reply, as_response, json_reply, json_response,
                             parse_json_off_loop, with_allow)
 from epd_trio.encoder.app import access_control, add_shared_routes, bare_routes
-from epd_trio.encoder.asgi_route import BareRoutes, Handler
+from epd_trio.encoder.asgi_route import BareRoutes, Handler, UntilGone, cancelled_when_gone
 from epd_trio.encoder.profiling import parse_profile_request
 from epd_trio.encoder.service import EncoderService
 from epd_trio.errors import EPDError, PayloadTooLargeError, UnknownRequestError, error_body, http_status
@@ -99,7 +99,7 @@ def encode_handler(service: EncoderService) -> Handler:
     """SGLang's ``POST /encode``: its body in; null, or the sizes SGLang reserves, out."""
     config = service.config
 
-    async def encode(raw: bytes) -> Reply:
+    async def encode(raw: bytes, until_gone: UntilGone) -> Reply:
         body: dict[str, Any] = {}
         try:
             body = await parse_json_off_loop(raw, service.deliveries.threads, _parse_body)
@@ -109,7 +109,7 @@ def encode_handler(service: EncoderService) -> Handler:
             service.metrics.request("unknown", exc)
             return sglang_error_reply(exc, body.get("req_id"))
         try:
-            answer = await service.encode(req)
+            answer = await service.encode(req, until_gone=until_gone)
         except EPDError as exc:
             return sglang_error_reply(exc, req.req_id)
         if answer.nbytes is None:
@@ -131,7 +131,7 @@ def _data_route(service: EncoderService, answer: Callable[[dict[str, Any]], Awai
         except EPDError as exc:
             return sglang_error_reply(exc, body.get("req_id"))
 
-    return route
+    return cancelled_when_gone(route)
 
 
 def _data_routes(service: EncoderService) -> dict[str, Handler]:

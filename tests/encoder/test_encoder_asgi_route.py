@@ -166,6 +166,28 @@ async def test_send_is_bare_too(encoder: Any) -> None:
         assert r.status_code == 404 and error_of(r)["type"] == "UnknownRequestError"
 
 
+@pytest.mark.parametrize("server", ["builtin", "hypercorn"])
+async def test_a_client_that_leaves_cancels_its_waiting_send(encoder: Any, server: str) -> None:
+    """``/send`` waits in the service (``cancelled_when_gone``): a client that leaves cancels it."""
+    import httpx
+
+    cancelled = trio.Event()
+
+    async def waits(*args: Any, **kwargs: Any) -> int:
+        try:
+            await trio.sleep_forever()
+        finally:
+            cancelled.set()
+
+    async with encoder(http_server=server) as (service_server, http):
+        service_server.service.send = waits  # type: ignore[method-assign]
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post("/send", json={"req_id": "r", "part_idx": 0, "session": "127.0.0.1:17777",
+                                           "buffer_address": 4096, "buffer_length": 16}, timeout=0.5)
+        with trio.fail_after(5):
+            await cancelled.wait()
+
+
 async def test_sglang_face_serves_its_data_routes_bare_in_its_error_shape(encoder: Any) -> None:
     paths = ("/encode", "/send", "/scheduler_receive_url", "/scheduler_receive_meta_data")
     async with encoder(api="sglang") as (_, http):

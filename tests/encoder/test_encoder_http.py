@@ -169,9 +169,11 @@ async def test_vanished_receiver_times_out_and_releases(encoder: Any, short_erro
     assert final["live_requests"] == 0 and final["zmq"]["send_timeouts"] >= 1
 
 
-async def test_client_disconnect_cancels_the_scope(encoder: Any, short_error_notices: None) -> None:
+@pytest.mark.parametrize("server", ["builtin", "hypercorn"])
+async def test_client_disconnect_cancels_the_scope(encoder: Any, short_error_notices: None, server: str) -> None:
+    """``/encode`` watches its client in its own task (``until_gone``), under either server."""
     stuck = encode_body("gone", deliver={"backend": "zmq", "endpoint": "tcp://127.0.0.1:9"})
-    async with encoder(send_timeout=2) as (_, http):
+    async with encoder(send_timeout=2, http_server=server) as (_, http):
         import httpx
 
         with pytest.raises(httpx.ReadTimeout):
