@@ -23,9 +23,10 @@ branching on a fault plan.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -45,6 +46,7 @@ from epd_trio.model.media import MediaLimits, MediaLoader, media_http_client
 from epd_trio.model.preprocess import EncoderPreprocessor, preprocess_device
 from epd_trio.model.tiny import ensure_default_model
 from epd_trio.scheduling.dispatch import Admission, Dispatcher, WorkerState
+from epd_trio.scheduling.lane import open_thread_lane
 from epd_trio.scheduling.policy import BatchPolicy
 from epd_trio.scheduling.scheduler import Observer, RunSync, Scheduler
 from epd_trio.scheduling.worker import EncoderWorker, NullForwardWorker
@@ -162,9 +164,9 @@ class Engine:
             config.video_min_frames, config.video_max_frames)))
         self._preprocess_limiter = trio.CapacityLimiter(config.preprocess_workers)
         self._preprocessing = 0
-        # How blocking work reaches a thread; epd_trio.testing can run it inline so
-        # that MockClock tests stay deterministic.
-        self.run_sync: RunSync = trio.to_thread.run_sync
+        # How blocking work reaches a thread (open_engine gives its preprocessing thread lane);
+        # epd_trio.testing can run it inline so that MockClock tests stay deterministic.
+        self.run_sync: RunSync = functools.partial(trio.to_thread.run_sync, limiter=self._preprocess_limiter)
         self.preprocess_step: PreprocessStep = self._preprocess_in_thread
         # --preprocess-mode process: open_engine sets the pool and routes preprocess_step to it.
         self.preprocess_pool: PreprocessPool | None = None
@@ -249,7 +251,7 @@ class Engine:
                                     indices: Sequence[int] | None) -> PreprocessResult:
         return await self.run_sync(self.cpu.timed("preprocess", with_torch_threads),
                                    self.thread_budget.preprocess, self.preprocessor.preprocess,
-                                   loaded, modality, indices, limiter=self._preprocess_limiter)
+                                   loaded, modality, indices)
 
     # ---- the plan: which items need a forward (the embedding cache) -------
     async def _plan(self, items: Sequence[Any], modality: str, hashes: Sequence[str] | None, *,
@@ -273,7 +275,7 @@ class Engine:
         size = sum(len(item) for item in loaded if isinstance(item, bytes))
         if size < _HASH_IN_THREAD_BYTES and all(isinstance(item, bytes) for item in loaded):
             return digests()
-        return await self.run_sync(digests, limiter=self._preprocess_limiter)
+        return await self.run_sync(digests)
 
     # ---- observability ------------------------------------------------------
     def _observe_stage(self, name: str, seconds: float) -> None:
@@ -342,8 +344,9 @@ async def open_engine(config: EngineConfig | None = None, **overrides: Any) -> A
         max_video_pixels=config.max_video_pixels, max_audio_seconds=config.max_audio_seconds,
     )
     async with (media_http_client() as http, _preprocess_pool(config, encoder, limits) as pool,
-                trio.open_nursery() as nursery):
+                AsyncExitStack() as lanes, trio.open_nursery() as nursery):
         engine = Engine(config, encoder, MediaLoader(limits, http), replicas)
+        await _give_thread_lanes(engine, lanes)
         if pool is not None:
             engine.preprocess_pool = pool
             engine.preprocess_step = pool.preprocess
@@ -355,6 +358,18 @@ async def open_engine(config: EngineConfig | None = None, **overrides: Any) -> A
             yield engine
         finally:
             nursery.cancel_scope.cancel()
+
+
+async def _give_thread_lanes(engine: Engine, lanes: AsyncExitStack) -> None:
+    """The engine's blocking work on threads of its own: ``preprocess_workers`` threads for
+    preprocessing, one per device for its forwards (``scheduling.lane``: cheaper per call
+    for the trio thread than ``trio.to_thread``)."""
+    preprocess = await lanes.enter_async_context(
+        open_thread_lane("epd-preprocess", engine.config.preprocess_workers))
+    engine.run_sync = preprocess.run_sync
+    for scheduler in engine.schedulers:
+        device = await lanes.enter_async_context(open_thread_lane(f"epd-device{scheduler.index}", 1))
+        scheduler.run_sync = device.run_sync
 
 
 @asynccontextmanager

@@ -14,8 +14,10 @@ forward ~10 % slower than alone on 2 cores). So the budget is explicit:
   starts no OpenMP team at all).
 
 ``torch.set_num_threads`` is per calling thread for OpenMP and MKL, so each
-job sets its own count on entry: trio's thread cache hands the same thread to
-a forward and to preprocessing in turn. It also becomes the default of
+job sets its own count on entry (an engine's preprocessing and each device's
+forwards run on thread lanes of their own, ``scheduling.lane``, but an engine
+made without ``open_engine`` uses trio's thread cache, which hands the same
+thread to both in turn). It also becomes the default of
 threads that have not used torch yet, so a preprocessing job puts the
 thread's previous count back when it ends (threads the host application
 starts later are not left at 1). The OpenMP *waiting* policy cannot be

@@ -23,6 +23,7 @@ submits get ``JobNotRun`` at once, and the loop ends.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -44,7 +45,7 @@ __all__ = ["Forward", "Job", "Observer", "Scheduler", "SchedulerStatistics"]
 log = logging.getLogger(__name__)
 
 Forward = Callable[[Sequence[PreprocessResult]], list[Any]]
-RunSync = Callable[..., Awaitable[Any]]  # trio.to_thread.run_sync's shape
+RunSync = Callable[..., Awaitable[Any]]  # run_sync(fn, *args): fn(*args) on a worker thread
 
 
 class Observer(Protocol):
@@ -124,7 +125,8 @@ class Scheduler:
         self._running = 0
         self._done = self._failed = self._dropped = self._batches = self._retried = 0
         self._redispatched = 0
-        self.run_sync: RunSync = trio.to_thread.run_sync
+        # How a forward reaches the device's thread: the engine gives its device's thread lane.
+        self.run_sync: RunSync = functools.partial(trio.to_thread.run_sync, limiter=self._limiter)
 
     # ---- caller side ------------------------------------------------------
     @contextmanager
@@ -257,7 +259,7 @@ class Scheduler:
         try:
             # Not abandon_on_cancel: a running forward cannot be interrupted, and
             # its thread must finish before the model may be torn down.
-            outputs = await self.run_sync(self.forward, payloads, limiter=self._limiter)
+            outputs = await self.run_sync(self.forward, payloads)
         finally:
             self._observe("stage", "forward", trio.current_time() - started)
             self._observe("batch", self.index, len(jobs), sum(p.tokens for p in payloads))
