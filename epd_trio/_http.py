@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
+import msgspec
 import trio
 from quart import Response
 from quart_trio import QuartTrio
@@ -158,7 +159,7 @@ class Reply:
 
 
 def json_reply(body: Any, status: int = 200) -> Reply:
-    return Reply(status, json.dumps(body).encode())
+    return Reply(status, msgspec.json.encode(body))  # C, ~10 x json.dumps on a small answer
 
 
 def error_reply(exc: BaseException, req_id: str | None = None) -> Reply:

@@ -7,7 +7,6 @@ Field names follow SGLang's EPD encoder.
 
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
 import re
 from dataclasses import dataclass, field
@@ -119,10 +118,14 @@ class EncodeMeta:
     extras: dict[str, list[Any]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        """The answer's JSON object (without ``extras`` when there are none)."""
-        body = dataclasses.asdict(self)
-        if not self.extras:
-            del body["extras"]
+        """The answer's JSON object (without ``extras`` when there are none). Built field by
+        field: ``dataclasses.asdict`` recurses through every list, ~50 µs per answer."""
+        body: dict[str, Any] = {
+            "req_id": self.req_id, "part_idx": self.part_idx, "num_parts": self.num_parts,
+            "modality": self.modality, "tokens": self.tokens, "dim": self.dim, "dtype": self.dtype,
+            "token_counts": list(self.token_counts), "grid_thw": [list(g) for g in self.grid_thw]}
+        if self.extras:
+            body["extras"] = {name: list(values) for name, values in self.extras.items()}
         return body
 
 

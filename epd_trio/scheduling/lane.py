@@ -12,7 +12,9 @@ The semantics are ``trio.to_thread.run_sync``'s without ``abandon_on_cancel``:
 a job cancelled while it waits for a thread never runs; one already running
 is waited for (a forward cannot be interrupted, and the model must outlive
 it), and the cancellation is delivered at the caller's next checkpoint. The
-threads are the lane's own and end with its block (``open_thread_lane``).
+threads are the lane's own and end with its block (``open_thread_lane``);
+they are not trio's, so a job that calls back into trio passes
+``trio_token=`` to ``trio.from_thread``.
 """
 
 from __future__ import annotations

@@ -126,8 +126,10 @@ async def test_send_waiting_on_a_failed_forward_learns_why(encoder: Any) -> None
         may_fail = threading.Event()  # the forward (in its worker thread) fails once this is set
         running_at_send: list[int] = []
 
+        token = trio.lowlevel.current_trio_token()  # the device's lane thread is not trio's
+
         def failing_forward(payloads: Any) -> Any:
-            trio.from_thread.run_sync(forward_running.set)
+            trio.from_thread.run_sync(forward_running.set, trio_token=token)
             if not may_fail.wait(timeout=30):
                 raise AssertionError("the test never let the forward fail")
             raise EncodeError("GPU fell off")

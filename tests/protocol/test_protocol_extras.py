@@ -7,6 +7,7 @@ did), strictly checked when present: every way a peer can get it wrong is a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Any
@@ -197,6 +198,7 @@ def test_meta_extras_are_optional_and_checked() -> None:
     assert meta.extras == {} and "extras" not in meta.to_json()
     meta = parse_meta(httpx.Response(200, json=meta_body(extras=EXTRAS)), "v", 0, 1)
     assert meta.extras == EXTRAS and meta.to_json()["extras"] == EXTRAS
+    assert meta.to_json() == dataclasses.asdict(meta)  # every field, built by hand
     with pytest.raises(ProtocolError, match="bad /encode answer.*one entry per item"):
         parse_meta(httpx.Response(200, json=meta_body(extras={"t": [1.0]})), "v", 0, 1)
 
