@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Final
@@ -33,7 +34,7 @@ __all__ = ["ThreadLane", "open_thread_lane"]
 
 log = logging.getLogger(__name__)
 
-_JOIN_TIMEOUT: Final = 10.0  # seconds a closing lane waits for its threads (a job still running)
+_JOIN_TIMEOUT: Final = 5.0  # seconds a closing lane waits for its threads (a job still running)
 
 
 class _Job:
@@ -90,11 +91,16 @@ class ThreadLane:
             except trio.RunFinishedError:  # the run ended under us: nobody waits
                 return
 
-    def close(self) -> list[threading.Thread]:
-        """Let each thread finish its job and end; the threads to join."""
+    def close(self, timeout: float) -> bool:
+        """End the threads once each has finished its job; False if one still runs after
+        ``timeout`` seconds. Blocking, but only for that: a lane is closed once every task
+        that called it has returned, so its threads are idle, or skipping cancelled jobs."""
         for _ in self._threads:
             self._jobs.put(None)
-        return self._threads
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in self._threads)
 
     def __repr__(self) -> str:
         return f"<ThreadLane {self.name!r}: {len(self._threads)} threads, {len(self._waiting)} waiting>"
@@ -102,19 +108,11 @@ class ThreadLane:
 
 @asynccontextmanager
 async def open_thread_lane(name: str, threads: int) -> AsyncIterator[ThreadLane]:
-    """A lane for the duration of the block; its threads end (and are joined, bounded) after it."""
+    """A lane for the duration of the block; its threads end with it (joined, bounded)."""
     lane = ThreadLane(name, threads, trio.lowlevel.current_trio_token())
     try:
         yield lane
     finally:
-        threads_left = lane.close()
-        with trio.CancelScope(shield=True), trio.move_on_after(_JOIN_TIMEOUT) as timer:
-            await trio.to_thread.run_sync(_join, threads_left, abandon_on_cancel=True)
-        if timer.cancelled_caught:
+        if not lane.close(_JOIN_TIMEOUT):
             log.warning("thread lane %r: a job still runs after %g s; its thread is left to end",
                         name, _JOIN_TIMEOUT)
-
-
-def _join(threads: list[threading.Thread]) -> None:
-    for thread in threads:
-        thread.join()

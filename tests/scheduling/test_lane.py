@@ -98,3 +98,13 @@ def test_a_lane_needs_a_thread() -> None:
 
     with pytest.raises(ValueError, match="at least one thread"):
         trio.run(main)
+
+
+async def test_close_is_bounded_by_a_job_that_still_runs() -> None:
+    release = threading.Event()
+    async with open_thread_lane("lane-f", 1) as lane, trio.open_nursery() as nursery:
+        nursery.start_soon(lane.run_sync, release.wait, 10)
+        await trio.sleep(0.05)
+        assert lane.close(0.05) is False  # the job holds its thread past the timeout
+        release.set()
+    assert lane_threads("lane-f") == []  # the sentinel ended it once the job was done
