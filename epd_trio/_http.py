@@ -8,7 +8,6 @@ never a traceback, never HTML). Binding and starting the HTTP server is ``epd_tr
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass

@@ -30,7 +30,8 @@ from epd_trio._http import (
     parse_json_off_loop,
 )
 from epd_trio._version import __version__
-from epd_trio.encoder.asgi_route import BareRoutes, ErrorReply, Handler, RouteLimits, UntilGone, cancelled_when_gone
+from epd_trio.encoder.asgi_route import (BareRoutes, ErrorReply, Handler, RouteLimits, UntilGone,
+                                         cancelled_when_gone)
 from epd_trio.encoder.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from epd_trio.encoder.profiling import parse_profile_request
 from epd_trio.encoder.service import EncoderService
