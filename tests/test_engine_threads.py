@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 import torch
 
+from conftest import png_bytes
 from epd_trio.config import EngineConfig
+from epd_trio.engine import open_engine
 from epd_trio.model.adapters import PreprocessResult
 from epd_trio.model.loader import LoadedEncoder
 from epd_trio.scheduling.worker import EncoderWorker
@@ -98,3 +100,27 @@ def test_a_cpu_forward_runs_with_its_budget_in_whatever_thread_runs_it() -> None
             EncoderWorker(worker.encoder, threads=0)
     finally:
         torch.set_num_threads(main)
+
+
+async def test_preprocessing_and_forwards_run_on_the_engines_own_thread_lanes(qwen25_path: str) -> None:
+    """``open_engine`` gives preprocessing ``preprocess_workers`` threads and each device one
+    (``scheduling.lane``), named for them, and ends them with its block."""
+    seen: list[str] = []
+
+    def lanes() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith(("epd-preprocess-", "epd-device"))]
+
+    async with open_engine(model_path=qwen25_path, device="cpu,cpu", preprocess_workers=2) as engine:
+        real = engine.preprocessor.preprocess
+
+        def preprocess(*args: Any, **kwargs: Any) -> Any:
+            seen.append(threading.current_thread().name)
+            return real(*args, **kwargs)
+
+        engine.preprocessor.preprocess = preprocess  # type: ignore[method-assign]
+        await engine.encode([png_bytes(32, 32)], "image")
+        device_threads = {await s.run_sync(lambda: threading.current_thread().name) for s in engine.schedulers}
+        assert sorted(lanes()) == ["epd-device0-0", "epd-device1-0", "epd-preprocess-0", "epd-preprocess-1"]
+    assert seen and seen[0].startswith("epd-preprocess-")
+    assert device_threads == {"epd-device0-0", "epd-device1-0"}
+    assert lanes() == []
