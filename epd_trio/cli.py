@@ -79,6 +79,19 @@ def _freeze_startup_objects() -> None:
     gc.freeze()
 
 
+def _tune_process(config: EncoderConfig | BootstrapConfig) -> bool:
+    """What only the process's owner may set: on a CPU device, malloc keeps freed memory
+    (``engine.heap``: a CPU forward's activations are asked for again every batch). Once
+    serving, so what loading the model freed has gone back to the kernel. True when applied."""
+    if not isinstance(config, EncoderConfig) or not config.cpu_keep_freed_memory:
+        return False
+    if all(d.split(":")[0] != "cpu" for d in config.engine.devices):
+        return False
+    from epd_trio.engine.heap import keep_freed_memory
+
+    return keep_freed_memory()
+
+
 async def _serve_until_signal(config: EncoderConfig | BootstrapConfig) -> None:
     """Serve until SIGINT/SIGTERM, then leave the block: a graceful shutdown, exit 0.
 
@@ -97,6 +110,7 @@ async def _serve_until_signal(config: EncoderConfig | BootstrapConfig) -> None:
                 async with _serve_function(config)(config) as server:
                     started.set()
                     _freeze_startup_objects()
+                    _tune_process(config)
                     print(f"epd-trio {what} listening on {server.url}", flush=True)
                     if getattr(server, "grpc", None) is not None:
                         print(f"epd-trio {what} serving gRPC on {server.grpc.url}", flush=True)

@@ -225,6 +225,11 @@ class EncoderConfig:
                                    "(a request's output_dir must lie inside it; default: a new "
                                    "temporary directory)")
     log_level: str = _opt("INFO", "logging level")
+    cpu_keep_freed_memory: bool = _opt(True, "with a CPU device, glibc's malloc keeps freed memory "
+                                       "for the next batch instead of handing it back to the "
+                                       "kernel (no page faults per batch; the heap keeps its "
+                                       "high-water mark); process-wide, so applied by epd-trio "
+                                       "encoder only (embedders: epd_trio.engine.heap.keep_freed_memory)")
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig, metadata={"nested": True})
 
     def __post_init__(self) -> None:
