@@ -19,6 +19,11 @@ concurrency C, on the same seeded images:
   (``engine/best bare``, target >= 0.95): on a CPU a batch of 8 can be
   slower per image than a batch of 1, and batching is the engine's choice.
 
+On a CPU device both sides run with malloc keeping freed memory
+(``epd_trio.engine.heap``, as ``epd-trio encoder`` applies it; it is
+process-wide, so never one side alone); ``--malloc-default`` leaves glibc's
+default, under which large batches fault their activations' pages in afresh.
+
 The engine's outputs are checked against the bare loop's (``max rel diff``).
 Per-run lines show the engine's batch pattern, how long its worker was busy in
 forwards, and the share of the cores this process got: on a shared machine
@@ -414,6 +419,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="torch device of the engine and the bare loop "
                    "(cpu, cuda, cuda:1)")
+    p.add_argument("--malloc-default", action="store_true",
+                   help="leave glibc's malloc as it is (default on a CPU device: it keeps freed "
+                   "memory, for the engine and the bare loop alike, as epd-trio encoder does)")
     return p.parse_args(argv)
 
 
@@ -494,6 +502,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         model_dir = prepare_checkpoint(args, spec, tmp)
         bare = load_bare(model_dir, args.dtype, args.device)
         print(f"processor {type(bare[1]).__name__}, attention {bare[0].config._attn_implementation}")
+        if args.device.split(":")[0] == "cpu":  # process-wide: both sides run under it
+            from epd_trio.engine.heap import keep_freed_memory
+
+            kept = not args.malloc_default and keep_freed_memory()
+            print("malloc: " + ("keeps freed memory (epd_trio.engine.heap)" if kept else "glibc's default"))
         warm_bare(*bare, images[0])
         in_worker_thread(warm_bare, *bare, images[0])
         rows, starved = [], False
