@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -153,8 +154,11 @@ async def test_engine_in_process_mode_equals_thread_mode(qwen25_path: str) -> No
     async with open_engine(model_path=qwen25_path, dtype="float32") as engine:
         want = await engine.encode(items, "image")
     async with open_engine(model_path=qwen25_path, dtype="float32", preprocess_mode="process",
-                           preprocess_workers=1, preprocess_threads=2) as engine:
+                           preprocess_workers=2, preprocess_threads=2) as engine:
         assert engine.preprocess_pool is not None
+        # the children preprocess; the engine's own lane only hashes: one thread, not two
+        assert [t.name for t in threading.enumerate() if t.name.startswith("epd-preprocess-")] \
+            == ["epd-preprocess-0"]
         assert engine.preprocess_pool.spec.torch_threads == 2  # --preprocess-threads reaches the children
         got = await engine.encode(items, "image")
         assert engine.preprocess_pool.statistics().done == 1

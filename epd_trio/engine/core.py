@@ -363,9 +363,10 @@ async def open_engine(config: EngineConfig | None = None, **overrides: Any) -> A
 async def _give_thread_lanes(engine: Engine, lanes: AsyncExitStack) -> None:
     """The engine's blocking work on threads of its own: ``preprocess_workers`` threads for
     preprocessing, one per device for its forwards (``scheduling.lane``: cheaper per call
-    for the trio thread than ``trio.to_thread``)."""
-    preprocess = await lanes.enter_async_context(
-        open_thread_lane("epd-preprocess", engine.config.preprocess_workers))
+    for the trio thread than ``trio.to_thread``). In process mode the children preprocess,
+    and the lane only hashes large items for the cache: one thread."""
+    threads = 1 if engine.config.preprocess_mode == "process" else engine.config.preprocess_workers
+    preprocess = await lanes.enter_async_context(open_thread_lane("epd-preprocess", threads))
     engine.run_sync = preprocess.run_sync
     for scheduler in engine.schedulers:
         device = await lanes.enter_async_context(open_thread_lane(f"epd-device{scheduler.index}", 1))
