@@ -60,6 +60,22 @@ def test_not_glibc_leaves_malloc_alone(monkeypatch: pytest.MonkeyPatch,
     assert "not glibc" in caplog.text
 
 
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the tuning is glibc's")
+def test_a_refused_mallopt_is_said_and_reported(monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    """mallopt answers 0 for a value it refuses; the tuning then reports False, with a warning
+    (no glibc refuses these values, so the C library is swapped for one that refuses all)."""
+    class Refusing:
+        @staticmethod
+        def mallopt(param: int, value: int) -> int:
+            return 0
+
+    monkeypatch.setattr(heap.ctypes, "CDLL", lambda name: Refusing())
+    with caplog.at_level(logging.WARNING, "epd_trio.engine.heap"):
+        assert heap.keep_freed_memory() is False
+    assert "refused the malloc tuning" in caplog.text
+
+
 @pytest.mark.parametrize("trim", [-1, 1 << 31])
 def test_a_trim_mallopt_cannot_take_is_refused(trim: int) -> None:
     with pytest.raises(ValueError, match="trim_bytes"):

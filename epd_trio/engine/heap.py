@@ -1,7 +1,7 @@
 """Freed memory kept for the next batch: glibc's malloc, tuned for forwards on a CPU.
 
 A CPU forward allocates its activations (tens of MiB per batch: a batch of 16
-images of the ``--quick`` tower makes 23 MiB MLP intermediates) and frees them
+images of the ``--quick`` tower makes MLP intermediates of ~23 MB) and frees them
 when the batch ends; the next batch asks for the same again. Left alone, glibc
 serves every block over its mmap threshold (128 KiB, rising to at most 32 MiB
 as such blocks are freed) with a fresh ``mmap`` and gives it back with
