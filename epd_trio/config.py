@@ -227,9 +227,10 @@ class EncoderConfig:
     log_level: str = _opt("INFO", "logging level")
     cpu_keep_freed_memory: bool = _opt(True, "with a CPU device, glibc's malloc keeps freed memory "
                                        "for the next batch instead of handing it back to the "
-                                       "kernel (no page faults per batch; the heap keeps its "
-                                       "high-water mark); process-wide, so applied by epd-trio "
-                                       "encoder only (embedders: epd_trio.engine.heap.keep_freed_memory)")
+                                       "kernel, which would zero its pages again (the heap keeps "
+                                       "its high-water mark); process-wide, so applied by "
+                                       "epd-trio encoder once serving (embedders: "
+                                       "epd_trio.engine.heap.keep_freed_memory)")
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig, metadata={"nested": True})
 
     def __post_init__(self) -> None:
