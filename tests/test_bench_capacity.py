@@ -73,6 +73,11 @@ def test_scaling_is_against_the_fewest_workers(bench: ModuleType) -> None:
     assert [r.scaling for r in rows] == pytest.approx([1.5, 1.0, 2.5])
 
 
+def test_a_window_says_how_many_cores_the_server_used(bench: ModuleType) -> None:
+    window = bench.Window(rate=500.0, ms={"cpu": 2.5}, failed=0, load_cores=0.7)
+    assert window.cores == pytest.approx(1.25)  # 500 images/s × 2.5 ms of CPU each
+
+
 async def test_both_load_generators_reach_a_real_encoder(bench: ModuleType, encoder) -> None:
     """HTTP and gRPC load, one short window each, against one encoder: answers, no failures."""
     import trio
@@ -81,6 +86,8 @@ async def test_both_load_generators_reach_a_real_encoder(bench: ModuleType, enco
     async with encoder(grpc_port=0) as (server, http):
         target = server.grpc.url.removeprefix("grpc://")
         for load, where in ((bench.run_load, server.url), (bench.run_grpc_load, target)):
-            done, wall, failed = await trio.to_thread.run_sync(load, where, body, 2, 0.5)
+            done, wall, failed, cpu = await trio.to_thread.run_sync(
+                bench.load_with_cpu, load, where, body, 2, 0.5)
             assert done > 0 and failed == 0 and wall > 0
+            assert cpu > 0  # the load's own CPU (this process here), the table's "load" column
         assert (await http.get("/stats")).json()["live_requests"] == 0

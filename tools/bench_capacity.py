@@ -22,6 +22,10 @@ not wall time, so other work on a shared machine does not inflate it):
 * ``zmq``: threads named ``ZMQbg/*`` (libzmq's I/O threads).
 * ``other``: the rest — intra-op/OpenMP pools, large inline bodies built off
   the loop, child processes.
+* ``cores`` and ``load``: CPU seconds per second of the server (``cpu`` ×
+  images/s) and of the load generator's process: where they add up to the
+  machine's cores, more preprocessing workers cannot raise images/s, and the
+  ``x W1`` column shows where that happens.
 * ``decode``, ``proc``, ``body`` (stand-alone): the image decode, the model's
   processor and building the inline answer, each timed alone in this process
   on the same image (median of 20, thread CPU): how ``pre`` splits, and what
@@ -72,7 +76,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -393,15 +397,39 @@ class Row:
     ms: dict[str, float]  # CPU ms per image by place, medians
     failures: int
     scaling: float = float("nan")  # rate / rate at the fewest workers
+    cores: float = float("nan")  # the server's CPU seconds per second, median over repeats
+    load_cores: float = float("nan")  # the load generator's, the same way
+
+
+def load_with_cpu(load: Callable[..., tuple[int, float, int]], *args: Any) -> tuple[int, float, int, float]:
+    """``load(*args)`` and the CPU seconds the load process spent meanwhile (all its threads)."""
+    started = time.process_time()
+    done, wall, failed = load(*args)
+    return done, wall, failed, time.process_time() - started
+
+
+@dataclass
+class Window:
+    """One window of load against one case: what the server and the load generator spent."""
+
+    rate: float  # images/s
+    ms: dict[str, float]  # the server's CPU ms per image by place
+    failed: int
+    load_cores: float  # the load generator's CPU seconds per second
+
+    @property
+    def cores(self) -> float:
+        """The server's CPU seconds per second: with ``load_cores``, how far the cores are used."""
+        return self.rate * self.ms["cpu"] / 1000
 
 
 def measure_case(encoder: Encoder, pool: concurrent.futures.Executor, body: tuple[bytes, bytes],
-                 concurrency: int, seconds: float, api: str = "http") -> tuple[float, dict[str, float], int]:
+                 concurrency: int, seconds: float, api: str = "http") -> Window:
     before = encoder.sample()
     load, target = (run_grpc_load, encoder.grpc_target) if api == "grpc" else (run_load, encoder.url)
-    done, wall, failed = pool.submit(load, target, body, concurrency, seconds).result()
+    done, wall, failed, cpu = pool.submit(load_with_cpu, load, target, body, concurrency, seconds).result()
     after = encoder.sample()
-    return done / wall, split_cpu(before, after, done), failed
+    return Window(done / wall, split_cpu(before, after, done), failed, cpu / wall)
 
 
 def medians(samples: Sequence[dict[str, float]]) -> dict[str, float]:
@@ -442,7 +470,7 @@ def run_workers(workers: int, args: argparse.Namespace, pool: concurrent.futures
                 pool.submit(run_load, encoder.url, body, 2, args.warmup).result()
                 if encoder.grpc_target:
                     pool.submit(run_grpc_load, encoder.grpc_target, body, 2, args.warmup).result()
-        samples: dict[tuple[str, str, str, int], list[tuple[float, dict[str, float], int]]] = {}
+        samples: dict[tuple[str, str, str, int], list[Window]] = {}
         for _ in range(args.repeats):  # cases, trees and APIs take turns, so drift hits them alike
             for key, body in cases.items():
                 for tree, encoder in encoders.items():
@@ -451,8 +479,9 @@ def run_workers(workers: int, args: argparse.Namespace, pool: concurrent.futures
                             measure_case(encoder, pool, body, args.concurrency, args.seconds, api))
         for (label, api, fmt, size), runs in samples.items():
             yield Row(label, api, fmt, size, workers,
-                      statistics.median(r[0] for r in runs), medians([r[1] for r in runs]),
-                      sum(r[2] for r in runs))
+                      statistics.median(r.rate for r in runs), medians([r.ms for r in runs]),
+                      sum(r.failed for r in runs), cores=statistics.median(r.cores for r in runs),
+                      load_cores=statistics.median(r.load_cores for r in runs))
     finally:
         for encoder in encoders.values():
             encoder.close()
@@ -483,15 +512,17 @@ def report(rows: list[Row], alone: dict[tuple[str, int], dict[str, float]]) -> N
     trees = len({r.tree for r in rows}) > 1
     apis = len({r.api for r in rows}) > 1
     header = [*(["encoder"] if trees else []), *(["api"] if apis else []), "fmt", "size", "W", "img/s", "x W1",
-              *(f"{c} ms" for c in COLUMNS), "decode*", "proc*", "body*", "fail"]
+              "cores", "load", *(f"{c} ms" for c in COLUMNS), "decode*", "proc*", "body*", "fail"]
     table = []
     for r in sorted(rows, key=lambda r: (r.fmt, r.size, r.workers, r.tree, r.api)):
         a = alone.get((r.fmt, r.size), {})
         table.append([*([r.tree] if trees else []), *([r.api] if apis else []), r.fmt, r.size, r.workers, f"{r.rate:.1f}",
-                      f"{r.scaling:.2f}", *(f"{r.ms[c]:.2f}" for c in COLUMNS),
+                      f"{r.scaling:.2f}", f"{r.cores:.2f}", f"{r.load_cores:.2f}",
+                      *(f"{r.ms[c]:.2f}" for c in COLUMNS),
                       *(f"{a.get(k, float('nan')):.2f}" for k in ("decode", "proc", "body")), r.failures])
     print_table(header, table)
-    print("(CPU ms per image, server side, medians; * stand-alone in the benchmark process)")
+    print("(CPU ms per image, server side, medians; cores / load: CPU seconds per second of the "
+          f"server / the load generator, of {os.cpu_count()} here; * stand-alone in the benchmark process)")
 
 
 def plot(rows: list[Row], path: Path) -> None:
