@@ -50,7 +50,11 @@ from epd_trio.model.media import MediaLimits
 
 __all__ = ["PoolSpec", "PoolStatistics", "PreprocessPool", "open_preprocess_pool"]
 
-SLOTS_PER_WORKER = 2  # one being written by a child, one being read by the parent
+# Two calls per child in the pool: while the parent takes one answer, the child already
+# works on the next, so it never idles for the round trip (JPEG 448 on 2 cores: 381 against
+# 323 img/s with one child). A slot each, and a third the parent is still reading.
+CALLS_PER_WORKER = 2
+SLOTS_PER_WORKER = CALLS_PER_WORKER + 1
 
 
 @dataclass(frozen=True)
@@ -189,14 +193,15 @@ def _raise_error(answer: dict[str, Any]) -> None:
 class PreprocessPool:
     """``preprocess`` runs ``EncoderPreprocessor.preprocess`` in a child process.
 
-    At most ``workers`` calls are in the pool at once (a ``CapacityLimiter``):
-    the rest wait in trio, where cancelling them costs nothing.
+    At most ``CALLS_PER_WORKER × workers`` calls are in the pool at once (a
+    ``CapacityLimiter``): each child has the next one queued while the parent
+    takes its last answer; the rest wait in trio, where cancelling them costs nothing.
     """
 
     def __init__(self, spec: PoolSpec, workers: int) -> None:
         self.spec = spec
         self.workers = workers
-        self._limiter = trio.CapacityLimiter(workers)
+        self._limiter = trio.CapacityLimiter(CALLS_PER_WORKER * workers)
         self._arena = SegmentArena(SLOTS_PER_WORKER * workers)
         self._executor = self._new_executor()
         self._done = self._failed = self._restarts = 0
