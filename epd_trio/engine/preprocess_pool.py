@@ -183,6 +183,16 @@ def _discard(arena: SegmentArena, ticket: SlotTicket | None, future: Future) -> 
     arena.release(ticket)
 
 
+async def _result_of(future: Future) -> Any:
+    """A child's answer, waited for without a thread: the future's done-callback (run by the
+    executor's own thread) wakes this task. A cancelled wait just stops waiting."""
+    done = trio.Event()
+    token = trio.lowlevel.current_trio_token()
+    future.add_done_callback(lambda _: token.run_sync_soon(done.set))
+    await done.wait()
+    return future.result()
+
+
 def _raise_error(answer: dict[str, Any]) -> None:
     cls = getattr(errors, answer["error"], None)
     if not (isinstance(cls, type) and issubclass(cls, EPDError)):
@@ -228,7 +238,7 @@ class PreprocessPool:
             try:
                 future = executor.submit(_child_preprocess, list(items), modality,
                                          None if indices is None else list(indices), ticket)
-                answer = await trio.to_thread.run_sync(future.result, abandon_on_cancel=True)
+                answer = await _result_of(future)
             except BrokenProcessPool:
                 self._arena.release(ticket)
                 self._failed += 1
