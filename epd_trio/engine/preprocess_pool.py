@@ -227,7 +227,7 @@ class PreprocessPool:
         futures = [self._executor.submit(_child_ready) for _ in range(self.workers)]
         try:
             for future in futures:
-                await trio.to_thread.run_sync(future.result, abandon_on_cancel=True)
+                await _result_of(future)
         except BrokenProcessPool as exc:
             raise ModelLoadError(f"a preprocessing process failed to start ({exc})") from None
 
