@@ -73,6 +73,14 @@ def test_scaling_is_against_the_fewest_workers(bench: ModuleType) -> None:
     assert [r.scaling for r in rows] == pytest.approx([1.5, 1.0, 2.5])
 
 
+def test_the_preprocess_mode_reaches_the_encoder(bench: ModuleType) -> None:
+    args = bench.parse_args(["--preprocess-mode", "process"])
+    command = bench.encoder_args(bench.ROOT, "builtin", args, dict(os.environ))
+    assert command[command.index("--preprocess-mode") + 1] == "process"
+    assert "--preprocess-mode" not in bench.encoder_args(bench.ROOT, "builtin", bench.parse_args([]),
+                                                         dict(os.environ))
+
+
 def test_a_window_says_how_many_cores_the_server_used(bench: ModuleType) -> None:
     window = bench.Window(rate=500.0, ms={"cpu": 2.5}, failed=0, load_cores=0.7)
     assert window.cores == pytest.approx(1.25)  # 500 images/s × 2.5 ms of CPU each

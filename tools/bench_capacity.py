@@ -53,6 +53,8 @@ Usage::
     .venv/bin/python tools/bench_capacity.py --null-forward --workers 1 2 4 8 16 --plot cap.png
     # the trio thread's cost per small request, this tree against an older one:
     .venv/bin/python tools/bench_capacity.py --sizes 64 --formats png --workers 1 --tree . --tree ../base
+    # preprocessing in child processes instead of threads:
+    .venv/bin/python tools/bench_capacity.py --null-forward --preprocess-mode process --workers 1 2
     # the same requests over HTTP and over gRPC:
     .venv/bin/python tools/bench_capacity.py --quick --null-forward --api http grpc --sizes 64 1024
     # the trio thread's cost per small request with each HTTP server:
@@ -453,6 +455,8 @@ def encoder_args(tree: Path, server: str, args: argparse.Namespace, env: dict[st
             print(f"# {tree}: its encoder has no --null-forward: the model's forward runs")
     if "grpc" in args.api:
         extra += ["--grpc-port", "0"]
+    if args.preprocess_mode:
+        extra += ["--preprocess-mode", args.preprocess_mode]
     return [*extra, "--max-pending", str(max(256, 4 * args.concurrency))]
 
 
@@ -573,6 +577,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--http-server", nargs="+", default=["builtin"], choices=["builtin", "hypercorn"],
                    help="the encoder's --http-server, side by side (one encoder each): the trio "
                    "thread's cost of each HTTP server, in one run")
+    p.add_argument("--preprocess-mode", choices=["thread", "process"], default=None,
+                   help="the encoder's --preprocess-mode (default: the encoder's own, thread)")
     p.add_argument("--plot", type=Path, help="PNG of images/s and CPU per image (needs matplotlib)")
     args = p.parse_args(argv)
     quick = args.quick
