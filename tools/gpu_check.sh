@@ -119,6 +119,10 @@ step bench_preprocess 100 "$PY" tools/bench_preprocess.py --quick --workers 1 4 
 # No --plot: the device tool brings back 8 files from $OUT, the step logs and summary.txt.
 step bench_capacity 75 "$PY" tools/bench_capacity.py --quick --null-forward --formats jpeg \
     --sizes 64 448 --workers 1 4 16 --repeats 1
+# The same with preprocessing in child processes: threads share one GIL (README, "a fifth
+# time"), so on many cores processes are what should scale.
+step bench_capacity:process 60 "$PY" tools/bench_capacity.py --quick --null-forward --formats jpeg \
+    --sizes 448 --workers 4 16 --repeats 1 --preprocess-mode process
 # ZMQ against the raw socket at 1-64 MiB on a quiet many-core host (issue 17's 0.8 x raw target).
 step bench_transfer 40 "$PY" tools/bench_transfer.py --quick --skip-mooncake --plot ''
 step gpu_tests:compile 90 "$PY" -m pytest -q -m gpu tests/test_gpu.py -k compile -p no:cacheprovider \
