@@ -191,6 +191,32 @@ async def test_a_dead_child_fails_its_request_and_the_pool_restarts(qwen25_path:
     assert children() <= before_children
 
 
+async def test_both_calls_of_a_dead_child_fail_and_the_pool_restarts_once(qwen25_path: str) -> None:
+    """A child has two calls in the pool: when it dies, both fail (500), one restart serves
+    the next, and every slot comes back."""
+    before_children = children()
+    async with open_preprocess_pool(PoolSpec(qwen25_path, MediaLimits()), workers=1) as pool:
+        (child,) = children() - before_children
+        os.kill(child, signal.SIGKILL)
+        failures: list[BaseException] = []
+
+        async def call() -> None:
+            try:
+                await pool.preprocess([png_bytes(56, 56)], "image")
+            except EncodeError as exc:
+                failures.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call)
+            nursery.start_soon(call)
+        assert len(failures) == 2 and all("preprocessing process died" in str(e) for e in failures)
+        ok = await pool.preprocess([png_bytes(56, 56)], "image")
+        assert ok.token_counts == (4,)
+        stats = pool.statistics()
+        assert stats.restarts == 1 and stats.failed == 2 and stats.slots_free == 3
+    assert children() <= before_children
+
+
 def test_config_refuses_unknown_modes_and_device_processes() -> None:
     with pytest.raises(ValueError, match="preprocess_mode"):
         EngineConfig(preprocess_mode="fork")
