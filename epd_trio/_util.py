@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import trio
 
 from epd_trio.errors import EPDError
 
-__all__ = ["first_leaf", "leaves"]
+__all__ = ["first_leaf", "leaves", "wait_done"]
 
 log = logging.getLogger(__name__)
 
@@ -49,3 +50,23 @@ def first_leaf(group: BaseException) -> BaseException:
             log.error("beside %s: a sibling failed with a bug", type(first).__name__,
                       exc_info=(type(sibling), sibling, sibling.__traceback__))
     return first
+
+
+async def wait_done(future: Any) -> None:
+    """Until ``future`` is done, without a thread: its done-callback, run by whichever
+    thread completes it (or at once when it already is), wakes this task.
+
+    ``future`` is a ``concurrent.futures.Future`` or a grpcio one (anything whose
+    ``add_done_callback`` calls back with the future). A cancelled wait leaves the
+    future as it is: the caller decides whether to cancel it or clean up after it.
+    """
+    token, done = trio.lowlevel.current_trio_token(), trio.Event()
+    future.add_done_callback(lambda _: _wake(token, done))
+    await done.wait()
+
+
+def _wake(token: trio.lowlevel.TrioToken, done: trio.Event) -> None:
+    try:
+        token.run_sync_soon(done.set)
+    except trio.RunFinishedError:  # trio has ended: nobody waits any more
+        pass

@@ -1,4 +1,4 @@
-"""``first_leaf``: one error for the answer, and no sibling lost without a trace."""
+"""``first_leaf``: one error for the answer, and no sibling lost without a trace; ``wait_done``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 import pytest
 import trio
 
-from epd_trio._util import first_leaf, leaves
+from epd_trio._util import first_leaf, leaves, wait_done
 from epd_trio.errors import PeerUnavailable, TransferTimeout
 
 UTIL = "epd_trio._util"
@@ -77,3 +77,27 @@ def test_an_interrupt_beside_is_a_warning_not_a_bug(caplog: pytest.LogCaptureFix
     with caplog.at_level(logging.DEBUG, logger=UTIL):
         assert first_leaf(BaseExceptionGroup("g", [first, KeyboardInterrupt()])) is first
     assert [r.levelno for r in caplog.records] == [logging.WARNING]
+
+
+async def test_wait_done_wakes_on_the_completing_thread_and_leaves_a_cancelled_wait_alone() -> None:
+    """A future completed on another thread wakes the waiting task; one already done returns
+    at once; a cancelled wait leaves the future pending for its owner."""
+    import threading
+    from concurrent.futures import Future
+
+    later: Future[int] = Future()
+    threading.Timer(0.05, later.set_result, (7,)).start()
+    with trio.fail_after(10):
+        await wait_done(later)
+    assert later.result() == 7
+
+    done: Future[int] = Future()
+    done.set_result(1)
+    with trio.fail_after(10):
+        await wait_done(done)
+
+    pending: Future[int] = Future()
+    with trio.move_on_after(0.01) as scope:
+        await wait_done(pending)
+    assert scope.cancelled_caught and not pending.done()
+    pending.set_result(2)  # its callback finds nobody waiting: no error

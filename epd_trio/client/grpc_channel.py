@@ -30,6 +30,7 @@ from typing import Any, Final
 import grpc
 import trio
 
+from epd_trio._util import wait_done
 from epd_trio.client.answers import grpc_failure
 from epd_trio.errors import ProtocolError, RequestError
 from epd_trio.protocol.grpc_messages import (
@@ -108,14 +109,6 @@ _RPCS: Final[dict[str, tuple[str, Callable[[dict[str, Any]], Any], Callable[[Any
 }
 
 
-def _wake(token: trio.lowlevel.TrioToken, done: trio.Event) -> None:
-    """On a grpcio thread (or at once, if already done): wake the waiting trio task."""
-    try:
-        token.run_sync_soon(done.set)
-    except trio.RunFinishedError:  # trio has ended: nobody waits any more
-        pass
-
-
 class GrpcChannels:
     """One grpcio channel per ``grpc://`` encoder, owned by an ``async with`` block."""
 
@@ -166,13 +159,11 @@ class GrpcChannels:
         await trio.lowlevel.checkpoint_if_cancelled()
         deadline = trio.current_effective_deadline()
         timeout = None if math.isinf(deadline) else max(deadline - trio.current_time(), 0.0)
-        token, done = trio.lowlevel.current_trio_token(), trio.Event()
         future = rpc.future(message, timeout=timeout)
         self._calls += 1
         self._in_flight += 1
         try:
-            future.add_done_callback(lambda _: _wake(token, done))
-            await done.wait()
+            await wait_done(future)
         except BaseException:
             if future.cancel():
                 self._cancelled += 1

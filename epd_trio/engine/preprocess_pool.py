@@ -43,6 +43,7 @@ from typing import Any
 import trio
 
 import epd_trio.errors as errors
+from epd_trio._util import wait_done
 from epd_trio.engine.shm_arena import ChildSlots, SegmentArena, SlotTicket, layout_of, write_tensors
 from epd_trio.errors import EncodeError, EPDError, ModelLoadError
 from epd_trio.model.adapters import PreprocessResult
@@ -184,12 +185,8 @@ def _discard(arena: SegmentArena, ticket: SlotTicket | None, future: Future) -> 
 
 
 async def _result_of(future: Future) -> Any:
-    """A child's answer, waited for without a thread: the future's done-callback (run by the
-    executor's own thread) wakes this task. A cancelled wait just stops waiting."""
-    done = trio.Event()
-    token = trio.lowlevel.current_trio_token()
-    future.add_done_callback(lambda _: token.run_sync_soon(done.set))
-    await done.wait()
+    """A child's answer, waited for without a thread (the executor's own thread wakes us)."""
+    await wait_done(future)
     return future.result()
 
 
