@@ -1,5 +1,5 @@
 """A lean HTTP/1.1 server for ASGI apps on trio, built on h11: what serves the encoder and the
-registry by default (``--http-server hypercorn``: Hypercorn's trio worker).
+registry by default (``--http-server hypercorn``: ``epd_trio._hypercorn``).
 
 Why not Hypercorn's own worker: the trio thread runs every request's scope, and Hypercorn's
 generic machinery cost it ~0.8 ms of CPU per small request on a 2-core VM before the app ran

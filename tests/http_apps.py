@@ -1,5 +1,5 @@
-"""Small ASGI apps and raw-socket helpers for the HTTP server tests: a server on
-127.0.0.1:0 for a block."""
+"""Small ASGI apps and raw-socket helpers for the HTTP server tests: either server
+(``epd_trio._listen``'s ``builtin`` or ``hypercorn``) on 127.0.0.1:0 for a block."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ from typing import Any
 import trio
 
 from epd_trio._http11 import serve_http11
+from epd_trio._hypercorn import serve_hypercorn
 from epd_trio._listen import bound_listener
 from epd_trio._serving import HTTPServerConfig
 
 App = Callable[..., Awaitable[None]]
-SERVERS = {"builtin": serve_http11}
+SERVERS = {"builtin": serve_http11, "hypercorn": serve_hypercorn}
 
 
 async def answer(send: Any, body: bytes, status: int = 200, headers: tuple = ()) -> None:

@@ -1,5 +1,6 @@
-"""epd_trio's own HTTP/1.1 server (``epd_trio._http11``): real sockets on port 0, raw bytes
-where the framing matters, each ASGI promise the faces rely on checked on the wire."""
+"""The HTTP servers (``epd_trio._http11``, the built-in one, and ``epd_trio._hypercorn``,
+Hypercorn's protocol on our connections): real sockets on port 0, raw bytes where the framing
+matters, each ASGI promise the faces rely on checked on the wire, under both."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from http_apps import SERVERS, answer, connect, echo_app, lifespan, read_body, r
 
 @pytest.fixture(params=list(SERVERS))
 def server(request: pytest.FixtureRequest) -> str:
-    """Each test that takes it runs under each server of ``http_apps.SERVERS``."""
+    """Each test that takes it runs under both servers."""
     return str(request.param)
 
 
@@ -438,3 +439,23 @@ async def test_100_continue_and_an_early_answer_from_quart_reach_the_client_whol
                                       b"Expect: 100-continue\r\nConnection: close\r\n\r\n")
                 raw = await read_until_closed(stream)
             assert b"HTTP/1.1 401 " in raw and raw.endswith(b"no"), raw
+
+
+async def test_a_shielded_send_that_waits_forever_ends_after_its_limit(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """Under a server that closes inside a send, sends are shielded; one waiting on something
+    that never comes (Hypercorn's HTTP/2 stream buffer after its connection closed) held the
+    process's shutdown forever. The shield now gives up after ``SHIELDED_SEND_LIMIT``."""
+    from epd_trio._http import SHIELDED_SEND_LIMIT, guarded_app
+
+    async def send(message: dict[str, Any]) -> None:
+        await trio.sleep_forever()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        with trio.CancelScope() as handler:
+            handler.cancel()  # the client left: the handler is cancelled, its send shielded
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    scope = {"type": "http", "headers": [], "path": "/", "raw_path": b"/", "query_string": b"", "extensions": {}}
+    await guarded_app(app, max_header_bytes=1024)(scope, None, send)
+    assert trio.current_time() == SHIELDED_SEND_LIMIT

@@ -1,4 +1,4 @@
-"""Clients the HTTP edge must survive, in process, under each server: framing broken while the
+"""Clients the HTTP edge must survive, in process, under both servers: framing broken while the
 server reads ahead, bodies of tiny chunks, half-closes, slow and never-reading readers, what is
 refused before any app runs. Timeouts at exact virtual times where a timeout is the subject."""
 
