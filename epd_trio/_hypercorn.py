@@ -116,7 +116,7 @@ class _Protocol(H11Protocol):
     async def _send_error_response(self, status_code: int) -> None:
         """h11's refusal (Hypercorn sends it with no body), in the protocol's JSON shape."""
         body = self.stream is not None  # the head was read: it is the body that broke
-        hint = h11.RemoteProtocolError("its framing is broken", error_status_hint=status_code)
+        hint = h11.RemoteProtocolError("not valid HTTP/1.1", error_status_hint=status_code)
         await self._answer(framing_error(hint, self._max_header_bytes, body=body))
 
     async def _answer(self, error: RequestError) -> None:
