@@ -49,16 +49,14 @@ import h11
 import trio
 
 from epd_trio._refusals import error_answer, framing_error, refusal
-from epd_trio._serving import ASGI, CLOSES_AFTER_APP, ASGIApp, HTTPServerConfig, LifespanFailure, serve_asgi
-from epd_trio._wire import PROBE_AFTER, reset_on_close, wait_reset, write_bounded
+from epd_trio._serving import (ASGI, CLOSES_AFTER_APP, ASGIApp, ConnectionServer, HTTPServerConfig, LifespanFailure,
+                               serve_asgi)
+from epd_trio._wire import Wire
 
 __all__ = ["CLOSES_AFTER_APP", "HTTPServerConfig", "LifespanFailure", "serve_http11"]
 
 log = logging.getLogger(__name__)
 
-MAX_RECV: Final = 1 << 16
-_CLOSE_TIMEOUT: Final = 5.0  # seconds a closing socket may take to flush (shielded)
-_LINGER: Final = 2.0  # seconds a close reads (and drops) a body the client is still sending
 _JOIN_EVENTS: Final = 64  # body chunks joined into one message at most; then a checkpoint
 _JOIN_BYTES: Final = 1 << 16  # bytes joined into one message at most
 
@@ -114,12 +112,15 @@ class _Cycle:
         if self._h11.they_are_waiting_for_100_continue and not self.started:
             await self._conn.write(self._h11.send(h11.InformationalResponse(status_code=100, headers=[])))
         chunks: list[Any] = []
+        size = 0
         try:
             event = self._pending if self._pending is not None else await self._conn.next_event()
             self._pending = None
             while isinstance(event, h11.Data):
                 chunks.append(event.data)
-                event = self._conn.event_in_buffer() if len(chunks) < _JOIN_EVENTS else None
+                size += len(event.data)
+                joinable = len(chunks) < _JOIN_EVENTS and size < _JOIN_BYTES
+                event = self._conn.event_in_buffer() if joinable else None
         except h11.RemoteProtocolError as exc:  # a broken chunked body: nothing more can be read
             self.malformed = exc  # the app hears a disconnect; the server answers the 4xx
             return None
@@ -223,20 +224,14 @@ class _Cycle:
         await self._write(h11.Response(status_code=status, headers=headers), body, False)
 
 
-class _Connection:
+class _Connection(Wire):
     """One client connection: requests one after the other, each app run in this task."""
 
     def __init__(self, server: _Server, stream: trio.SocketStream) -> None:
+        super().__init__(stream, server.config.write_timeout)
         self.server = server
-        self.stream = stream
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=server.config.max_header_bytes)
-        self.gone = False  # the client has reset or vanished: nothing more can reach it
-        self.eof = False  # the client has finished sending (its FIN): it may still read
-        self.broken = False  # a write was cut short: the stream cannot carry another answer
         self.idle: trio.CancelScope | None = None  # set only while waiting for a head
-        self.client = _address(stream.socket.getpeername)
-        self.local = _address(stream.socket.getsockname)
-        self._writing = trio.Lock()  # quart-trio sends a 100 Continue from a second task
         self._unyielded = 0  # body chunks handed out from the buffer since the last read
 
     async def run(self) -> None:
@@ -251,7 +246,12 @@ class _Connection:
                     break
                 self.h11.start_next_cycle()
         finally:
-            await self._close()
+            await self.close(unread_body=not self.server.closing
+                             and self.h11.their_state in (h11.SEND_BODY, h11.ERROR))
+
+    def close_if_idle(self) -> None:
+        if self.idle is not None:
+            self.idle.cancel()
 
     async def _next_request(self) -> h11.Request | None:
         """The next request's head within the keep-alive timeout; None: close the connection."""
@@ -323,7 +323,7 @@ class _Connection:
             event = self.h11.next_event()
             if event is not h11.NEED_DATA:
                 return event
-            self.h11.receive_data(await self._read())
+            self.h11.receive_data(await self.read())
 
     def event_in_buffer(self) -> Any:
         """The next event if the bytes already read make one (never reads); None if they do not."""
@@ -347,114 +347,30 @@ class _Connection:
                 return
             if len(self.h11.trailing_data[0]) >= self.server.config.max_header_bytes:
                 await trio.sleep_forever()  # enough read ahead: wait for the answer to complete
-            self.h11.receive_data(await self._read())
+            self.h11.receive_data(await self.read())
 
     async def _wait_gone(self, cycle: _Cycle) -> None:
-        """The client has sent its FIN: probe it once its answer is late; return once it is gone."""
-        await trio.sleep(PROBE_AFTER)
-        if cycle.http11 and self.h11.our_state is h11.SEND_RESPONSE:  # nothing of the answer sent
-            await self.write(self.h11.send(h11.InformationalResponse(status_code=100, headers=[])))
-        await wait_reset(self.stream.socket)
-        self.gone = True
+        def interim() -> bytes | None:  # none to HTTP/1.0, none once the answer has begun
+            if cycle.http11 and self.h11.our_state is h11.SEND_RESPONSE:
+                return self.h11.send(h11.InformationalResponse(status_code=100, headers=[]))
+            return None
 
-    async def _read(self) -> bytes:
-        """The next bytes; b"" at the client's FIN (``eof``) or once it has reset (``gone`` too)."""
-        try:
-            data = await self.stream.receive_some(MAX_RECV)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            self.gone = True
-            data = b""
-        self._unyielded = 0
-        self.eof = self.eof or not data
+        await self.wait_gone(interim)
+
+    async def read(self) -> bytes:
+        data = await super().read()
+        self._unyielded = 0  # a read is a checkpoint
         return data
 
-    # ---- writing -------------------------------------------------------------
-    async def write(self, data: bytes) -> None:
-        """Send ``data`` in order with any other task's (h11 made the bytes in order); a client
-        gone, or one that stops reading (``epd_trio._wire.write_bounded``), ends the connection."""
-        if self.gone or self.broken:
-            return
-        try:
-            self._writing.acquire_nowait()  # no checkpoint when nothing else writes
-        except trio.WouldBlock:
-            await self._writing.acquire()
-        try:
-            if not await write_bounded(self.stream, data, self.server.config.write_timeout):
-                log.info("HTTP client %s took too little of its answer within %g s: resetting",
-                         self.client, self.server.config.write_timeout)
-                self.broken = True
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            self.gone = True
-        except BaseException:  # cancelled mid-write: part of an answer may be on the wire
-            self.broken = True
-            raise
-        finally:
-            self._writing.release()
 
-    async def _close(self) -> None:
-        if self.broken:  # a reset, not a FIN: a cut answer must not look complete (HTTP/1.0)
-            reset_on_close(self.stream)
-            await self.stream.aclose()
-            return
-        with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_TIMEOUT):
-            try:
-                await self.stream.send_eof()
-                if not (self.eof or self.gone or self.server.closing) \
-                        and self.h11.their_state in (h11.SEND_BODY, h11.ERROR):
-                    await self._linger()
-            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
-                pass
-            await self.stream.aclose()
-
-    async def _linger(self) -> None:
-        """Drop what the client still sends, for up to ``_LINGER`` seconds. An answer given
-        before its request was read whole (413, 431) is followed by this close, and closing a
-        socket with unread bytes resets the connection, which can destroy that answer before
-        the client reads it. Not while the server shuts down: that waits for no client."""
-        with trio.move_on_after(_LINGER):
-            while await self._read():
-                pass
-
-
-def _address(get: Callable[[], Any]) -> tuple[str, int] | None:
-    """``(host, port)`` of a socket's end; None once the client has reset the connection."""
-    try:
-        raw = get()
-    except OSError:
-        return None
-    return (raw[0], raw[1]) if isinstance(raw, tuple) and len(raw) >= 2 else None
-
-
-class _Server:
+class _Server(ConnectionServer):
     def __init__(self, app: ASGIApp, config: HTTPServerConfig) -> None:
+        super().__init__(config)
         self.app = app
-        self.config = config
-        self.state: dict[str, Any] = {}  # the lifespan state each request's scope copies
         self.date = _Date()
-        self.closing = False
-        self.connections: set[_Connection] = set()
 
-    async def handle(self, stream: trio.SocketStream) -> None:
-        if self.closing:
-            await stream.aclose()
-            return
-        connection = _Connection(self, stream)
-        self.connections.add(connection)
-        try:
-            await connection.run()
-        except Exception:  # a bug of ours on one connection must not end the server
-            log.exception("HTTP connection from %s failed", connection.client)
-            with trio.CancelScope(shield=True):
-                await stream.aclose()
-        finally:
-            self.connections.discard(connection)
-
-    async def begin_closing(self) -> None:
-        """No new requests: idle connections close now, busy ones after their answer."""
-        self.closing = True
-        for connection in list(self.connections):
-            if connection.idle is not None:
-                connection.idle.cancel()
+    def connect(self, stream: trio.SocketStream) -> _Connection:
+        return _Connection(self, stream)
 
 
 async def serve_http11(app: ASGIApp, sockets: Sequence[Any], config: HTTPServerConfig, *,
@@ -462,7 +378,5 @@ async def serve_http11(app: ASGIApp, sockets: Sequence[Any], config: HTTPServerC
                        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve ``app`` on the bound, listening-ready stdlib ``sockets`` until ``shutdown_trigger``
     returns; ``task_status.started()`` once the app's startup is done and connections are taken."""
-    server = _Server(app, config)
-    await serve_asgi(server, app, server.state, sockets, shutdown_trigger=shutdown_trigger,
-                     task_status=task_status)
+    await serve_asgi(_Server(app, config), app, sockets, shutdown_trigger=shutdown_trigger, task_status=task_status)
 

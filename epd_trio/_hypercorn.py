@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Final
+from typing import Any
 
 import h11
 import trio
@@ -42,18 +42,13 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 
 from epd_trio._refusals import error_answer, framing_error, refusal
-from epd_trio._serving import CLOSES_AFTER_APP, ASGIApp, HTTPServerConfig, serve_asgi
-from epd_trio._wire import PROBE_AFTER, after, reset_on_close, wait_reset, write_bounded
+from epd_trio._serving import CLOSES_AFTER_APP, ASGIApp, ConnectionServer, HTTPServerConfig, serve_asgi
+from epd_trio._wire import Wire, after
 from epd_trio.errors import RequestError
 
 __all__ = ["serve_hypercorn"]
 
 log = logging.getLogger(__name__)
-
-MAX_RECV: Final = 1 << 16
-_CLOSE_TIMEOUT: Final = 5.0  # seconds a closing socket may take to flush (shielded)
-_LINGER: Final = 2.0  # seconds a close reads (and drops) a body the client is still sending
-
 
 class _Refused(Exception):
     """A request ``epd_trio._refusals`` refuses: answered before any stream (app) exists."""
@@ -131,25 +126,18 @@ class _Protocol(H11Protocol):
         await self.send(RawData(data=data))
 
 
-class _Connection:
+class _Connection(Wire):
     """One client connection: Hypercorn's protocol fed by this task, written through ``write``."""
 
     def __init__(self, server: _Server, stream: trio.SocketStream) -> None:
+        super().__init__(stream, server.config.write_timeout)
         self.server = server
-        self.stream = stream
-        self.gone = False  # the client has reset or vanished: nothing more can reach it
-        self.eof = False  # the client has finished sending (its FIN): it may still read
-        self.broken = False  # a write was cut short: the stream cannot carry another answer
         self.cut = False  # an answer's start is on the wire, its end is not (yet)
         self.idle = True  # no request in progress (Hypercorn says so with ``Updated``)
-        self._writing = trio.Lock()
         self._reading = trio.CancelScope(deadline=after(server.config.keep_alive_timeout))
-        sock = stream.socket
-        self.client = _address(sock.getpeername)
         self.protocol = _Protocol(server.app, server.hypercorn, server.context, None,
-                                  ConnectionState(server.state.copy()), False, self.client,
-                                  _address(sock.getsockname), self._on_event,
-                                  max_header_bytes=server.config.max_header_bytes)
+                                  ConnectionState(server.state.copy()), False, self.client, self.local,
+                                  self._on_event, max_header_bytes=server.config.max_header_bytes)
 
     async def run(self) -> None:
         try:
@@ -162,11 +150,13 @@ class _Connection:
             log.error("HTTP connection from %s failed", self.client, exc_info=failure)
             self.broken = True
         finally:
-            await self._close()
+            self.broken = self.broken or self.cut
+            await self.close(unread_body=not self.server.closing
+                             and self.protocol.connection.their_state in (h11.SEND_BODY, h11.ERROR))
 
     async def _read_loop(self) -> None:
         while True:
-            data = await self._read()
+            data = await self.read()
             if self.gone:
                 return
             await self.protocol.handle(RawData(data))  # b"": h11 learns the client finished sending
@@ -175,27 +165,16 @@ class _Connection:
         if self.idle:
             return
         if self.eof:
-            await self._wait_gone()  # returns once the client has gone altogether
+            await self.wait_gone(self._interim)  # returns once the client has gone altogether
         else:
             await trio.sleep_forever()  # until the answer ends the connection (``Closed``)
 
-    async def _wait_gone(self) -> None:
-        """The client has sent its FIN: probe it once its answer is late; return once it is gone."""
-        await trio.sleep(PROBE_AFTER)
-        h11_connection = self.protocol.connection
-        if h11_connection.their_http_version == b"1.1" and h11_connection.our_state is h11.SEND_RESPONSE:
-            await self.write(h11_connection.send(h11.InformationalResponse(status_code=100, headers=[])))
-        await wait_reset(self.stream.socket)
-        self.gone = True
-
-    async def _read(self) -> bytes:
-        try:
-            data = await self.stream.receive_some(MAX_RECV)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            self.gone = True
-            data = b""
-        self.eof = self.eof or not data
-        return data
+    def _interim(self) -> bytes | None:
+        """The half-close probe: none to HTTP/1.0, none once the answer has begun."""
+        connection = self.protocol.connection
+        if connection.their_http_version == b"1.1" and connection.our_state is h11.SEND_RESPONSE:
+            return connection.send(h11.InformationalResponse(status_code=100, headers=[]))
+        return None
 
     async def _on_event(self, event: Event) -> None:
         """The protocol's ``send``: bytes to write, the connection to close, or idleness."""
@@ -208,60 +187,15 @@ class _Connection:
             self._reading.deadline = after(self.server.config.keep_alive_timeout) if event.idle else math.inf
 
     async def write(self, data: bytes) -> None:
-        """Bytes in order with any other task's; a client gone, or one that stops reading
-        (``epd_trio._wire.write_bounded``), ends the connection."""
+        await super().write(data)
         if self.gone or self.broken:
-            return
-        await trio.lowlevel.checkpoint_if_cancelled()  # nothing more leaves once cancelled (shutdown)
-        try:
-            self._writing.acquire_nowait()  # no checkpoint when nothing else writes
-        except trio.WouldBlock:
-            await self._writing.acquire()
-        try:
-            if not await write_bounded(self.stream, data, self.server.config.write_timeout):
-                log.info("HTTP client %s took too little of its answer within %g s: resetting",
-                         self.client, self.server.config.write_timeout)
-                self.broken = True
+            self._reading.cancel()  # the apps hear the client leave
+        else:
             self.cut = self.protocol.connection.our_state is h11.SEND_BODY  # h11 made ``data`` first
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            self.gone = True
-        except BaseException:  # cancelled mid-write: part of an answer may be on the wire
-            self.broken = True
-            raise
-        finally:
-            self._writing.release()
-        if self.gone or self.broken:
-            self._reading.cancel()
 
-    async def _close(self) -> None:
-        if self.broken or self.cut:  # a reset, not a FIN: a cut answer must not look complete
-            reset_on_close(self.stream)
-            await self.stream.aclose()
-            return
-        with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_TIMEOUT):
-            try:
-                await self.stream.send_eof()
-                if not (self.eof or self.gone or self.server.closing) \
-                        and self.protocol.connection.their_state in (h11.SEND_BODY, h11.ERROR):
-                    with trio.move_on_after(_LINGER):  # an early answer (413) must not be reset away
-                        while await self._read():
-                            pass
-            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
-                pass
-            await self.stream.aclose()
-
-    def stop_if_idle(self) -> None:
+    def close_if_idle(self) -> None:
         if self.idle:
             self._reading.cancel()
-
-
-def _address(get: Callable[[], Any]) -> tuple[str, int] | None:
-    """``(host, port)`` of a socket's end; None once the client has reset the connection."""
-    try:
-        raw = get()
-    except OSError:
-        return None
-    return (raw[0], raw[1]) if isinstance(raw, tuple) and len(raw) >= 2 else None
 
 
 def _served(app: ASGIApp) -> ASGIApp:
@@ -293,10 +227,9 @@ def _served(app: ASGIApp) -> ASGIApp:
     return served
 
 
-class _Server:
+class _Server(ConnectionServer):
     def __init__(self, app: ASGIApp, config: HTTPServerConfig) -> None:
-        self.config = config
-        self.state: dict[str, Any] = {}  # the lifespan state each connection copies
+        super().__init__(config)
         self.app = ASGIWrapper(_served(app))
         self.hypercorn = Config()
         self.hypercorn.h11_max_incomplete_size = config.max_header_bytes
@@ -304,32 +237,17 @@ class _Server:
         self.hypercorn.accesslog = None
         self.hypercorn.errorlog = logging.getLogger("hypercorn.error")
         self.context = WorkerContext(None)  # Hypercorn's: the shutdown flag its protocol reads
-        self.closing = False
-        self.connections: set[_Connection] = set()
 
-    async def handle(self, stream: trio.SocketStream) -> None:
-        if self.closing:
-            await stream.aclose()
-            return
-        connection = _Connection(self, stream)
-        self.connections.add(connection)
-        try:
-            await connection.run()
-        finally:
-            self.connections.discard(connection)
+    def connect(self, stream: trio.SocketStream) -> _Connection:
+        return _Connection(self, stream)
 
     async def begin_closing(self) -> None:
-        """No new requests: idle connections close now, busy ones after their answer."""
-        self.closing = True
-        await self.context.terminated.set()
-        for connection in list(self.connections):
-            connection.stop_if_idle()
+        await self.context.terminated.set()  # busy connections close after their answer
+        await super().begin_closing()
 
 
 async def serve_hypercorn(app: ASGIApp, sockets: Sequence[Any], config: HTTPServerConfig, *,
                           shutdown_trigger: Callable[[], Awaitable[Any]],
                           task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """``serve_http11``'s contract, with Hypercorn's HTTP/1.1 protocol serving each request."""
-    server = _Server(app, config)
-    await serve_asgi(server, app, server.state, sockets, shutdown_trigger=shutdown_trigger,
-                     task_status=task_status)
+    await serve_asgi(_Server(app, config), app, sockets, shutdown_trigger=shutdown_trigger, task_status=task_status)

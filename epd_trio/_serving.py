@@ -19,8 +19,8 @@ from typing import Any, Final, Protocol
 
 import trio
 
-__all__ = ["ASGI", "CLOSES_AFTER_APP", "ASGIApp", "ConnectionServer", "HTTPServerConfig", "Lifespan",
-           "LifespanFailure", "serve_asgi"]
+__all__ = ["ASGI", "CLOSES_AFTER_APP", "ASGIApp", "Connection", "ConnectionServer", "HTTPServerConfig",
+           "Lifespan", "LifespanFailure", "serve_asgi"]
 
 log = logging.getLogger(__name__)
 
@@ -46,16 +46,52 @@ class LifespanFailure(RuntimeError):
     """The app's lifespan startup (or shutdown) failed or did not finish in time."""
 
 
-class ConnectionServer(Protocol):
-    """One server's connection handling, as ``serve_asgi`` drives it."""
+class Connection(Protocol):
+    """One client connection, as ``ConnectionServer`` keeps it."""
 
-    config: HTTPServerConfig
+    client: tuple[str, int] | None
+
+    async def run(self) -> None:
+        """Serve the connection's requests until it closes."""
+
+    def close_if_idle(self) -> None:
+        """Close now if no request is in progress (the server is shutting down)."""
+
+
+class ConnectionServer:
+    """One server's connection handling, as ``serve_asgi`` drives it; a server makes its
+    connections (``connect``)."""
+
+    def __init__(self, config: HTTPServerConfig) -> None:
+        self.config = config
+        self.state: dict[str, Any] = {}  # the lifespan state each request's scope copies
+        self.closing = False
+        self.connections: set[Connection] = set()
+
+    def connect(self, stream: trio.SocketStream) -> Connection:
+        raise NotImplementedError
 
     async def handle(self, stream: trio.SocketStream) -> None:
-        """Serve one accepted connection until it closes (never raises for a client's doing)."""
+        """Serve one accepted connection until it closes."""
+        if self.closing:
+            await stream.aclose()
+            return
+        connection = self.connect(stream)
+        self.connections.add(connection)
+        try:
+            await connection.run()
+        except Exception:  # a bug of ours on one connection must not end the server
+            log.exception("HTTP connection from %s failed", connection.client)
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+        finally:
+            self.connections.discard(connection)
 
     async def begin_closing(self) -> None:
         """No new requests: idle connections close now, busy ones after their answer."""
+        self.closing = True
+        for connection in list(self.connections):
+            connection.close_if_idle()
 
 
 class Lifespan:
@@ -115,13 +151,12 @@ class Lifespan:
         return None
 
 
-async def serve_asgi(server: ConnectionServer, app: ASGIApp, state: dict[str, Any], sockets: Sequence[Any], *,
+async def serve_asgi(server: ConnectionServer, app: ASGIApp, sockets: Sequence[Any], *,
                      shutdown_trigger: Callable[[], Awaitable[Any]],
                      task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve on the bound, listening-ready stdlib ``sockets`` until ``shutdown_trigger`` returns;
-    ``task_status.started()`` once the app's startup is done and connections are taken.
-    ``state`` is the lifespan state each request's scope gets a copy of."""
-    lifespan = Lifespan(app, state, server.config.lifespan_timeout)
+    ``task_status.started()`` once the app's startup is done and connections are taken."""
+    lifespan = Lifespan(app, server.state, server.config.lifespan_timeout)
     async with trio.open_nursery() as lifespan_nursery:
         lifespan_nursery.start_soon(lifespan.run)
         failure = await lifespan.startup()

@@ -42,6 +42,17 @@ def quick_app(seen: list[str] | None = None) -> Any:
     return app
 
 
+def answering(body: bytes) -> Any:
+    """Answers ``body`` to every request."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            return await lifespan(receive, send)
+        await answer(send, body)
+
+    return app
+
+
 # ---- framing broken where the server reads ahead ------------------------------------------------
 async def test_a_bad_chunk_footer_read_with_its_data_is_400_not_a_reset(server: str) -> None:
     """The chunk's data and its broken footer arrive in one read: the footer was found while
@@ -237,13 +248,7 @@ async def test_a_slow_but_steady_reader_gets_its_whole_answer(server: str,
     """~8 KiB/s: far under the 1 MiB per write timeout that cut such a reader at ~67 s, far over
     ``WRITE_PIECE`` per ``write_timeout`` (the progress a client must make)."""
     size = 4 << 20
-
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            return await lifespan(receive, send)
-        await answer(send, b"x" * size)
-
-    async with serving(app, server, write_timeout=60.0) as (url, _):
+    async with serving(answering(b"x" * size), server, write_timeout=60.0) as (url, _):
         async with await connect(url) as stream:
             await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             raw = b""
@@ -257,13 +262,7 @@ async def test_a_slow_but_steady_reader_gets_its_whole_answer(server: str,
 async def test_a_reader_slower_than_a_piece_per_write_timeout_is_reset(server: str,
                                                                        autojump_clock: trio.testing.MockClock) -> None:
     size = 32 << 20
-
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            return await lifespan(receive, send)
-        await answer(send, b"x" * size)
-
-    async with serving(app, server, write_timeout=10.0) as (url, _):
+    async with serving(answering(b"x" * size), server, write_timeout=10.0) as (url, _):
         async with await connect(url) as stream:
             await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             got = 0

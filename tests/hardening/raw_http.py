@@ -207,15 +207,11 @@ class Served:
         return self._log.read().decode(errors="replace")[-3000:]
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        self._log.close()
-        self.proc = None
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            with proc:  # closes its stdout and reaps it
+                proc.kill()  # nothing if it has exited
+            self._log.close()
 
     def __str__(self) -> str:
         return f"epd-trio {self.role} --http-server {self.server}"
