@@ -187,6 +187,9 @@ class _Connection(Wire):
             self._reading.deadline = after(self.server.config.keep_alive_timeout) if event.idle else math.inf
 
     async def write(self, data: bytes) -> None:
+        """Nothing leaves a cancelled task: a request cancelled at the end of a shutdown's grace
+        gets no 500 from Hypercorn's stream (as under its own worker, whose lock is a checkpoint)."""
+        await trio.lowlevel.checkpoint_if_cancelled()
         await super().write(data)
         if self.gone or self.broken:
             self._reading.cancel()  # the apps hear the client leave

@@ -119,15 +119,20 @@ class Wire:
 
     async def write(self, data: bytes) -> None:
         """Send ``data`` in order with any other task's (h11 made the bytes in order); a client
-        gone, or one that stops reading (``write_bounded``), ends the connection. Nothing more
-        leaves once the writer is cancelled (a shutdown's grace is over)."""
+        gone, or one that stops reading (``write_bounded``), ends the connection, and so does a
+        writer cancelled before all of ``data`` left (h11 has moved on: the stream is broken).
+        What the socket takes at once leaves even from a cancelled task (no checkpoint first):
+        an app's last send is often cancelled by its own disconnect watcher."""
         if self.gone or self.broken:
             return
-        await trio.lowlevel.checkpoint_if_cancelled()
         try:
-            self._writing.acquire_nowait()  # no checkpoint when nothing else writes
-        except trio.WouldBlock:
-            await self._writing.acquire()
+            try:
+                self._writing.acquire_nowait()  # no checkpoint when nothing else writes
+            except trio.WouldBlock:
+                await self._writing.acquire()
+        except BaseException:
+            self.broken = True
+            raise
         try:
             if not await write_bounded(self.stream, data, self.write_timeout):
                 log.info("HTTP client %s took too little of its answer within %g s: resetting",

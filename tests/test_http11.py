@@ -459,3 +459,24 @@ async def test_a_shielded_send_that_waits_forever_ends_after_its_limit(
     scope = {"type": "http", "headers": [], "path": "/", "raw_path": b"/", "query_string": b"", "extensions": {}}
     await guarded_app(app, max_header_bytes=1024)(scope, None, send)
     assert trio.current_time() == SHIELDED_SEND_LIMIT
+
+
+async def test_an_answer_sent_from_a_task_cancelled_as_it_answers_still_leaves() -> None:
+    """The built-in server writes what the socket takes at once without a checkpoint: an app's
+    last send is often cancelled by its own disconnect watcher (quart-trio's, when a broken
+    body ends the request), and its answer — here the 400 that replaces it — must still leave."""
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            return await lifespan(receive, send)
+        with trio.CancelScope() as handler:
+            handler.cancel()  # the watcher has cancelled the handler as it answers
+            await answer(send, b"answered")
+
+    async with serving(app, "builtin") as (url, _):
+        for request, expected in ((b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", b"answered"),
+                                  (b"GET / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+                                   b"RequestError")):
+            async with await connect(url) as stream:
+                await stream.send_all(request)
+                raw = await read_until_closed(stream)
+            assert expected in raw, raw
