@@ -185,8 +185,7 @@ def client(port: int, chunks: int, probes: int) -> None:
 
     streamer = threading.Thread(target=stream)
     streamer.start()
-    time.sleep(0.02)  # the stream has begun
-    loaded = []
+    loaded = [probe.get()]  # at least one, however short the stream
     while not finished.is_set():
         loaded.append(probe.get())
     streamer.join()
