@@ -40,6 +40,8 @@ from typing import Any, Final
 import httpx
 import trio
 
+from epd_trio._routes import Routes
+from epd_trio.client.addresses import ReturnAddresses, advertised_endpoint, choose_mooncake_host
 from epd_trio.client.answers import (
     Answer,
     check_message,
@@ -79,7 +81,7 @@ from epd_trio.errors import (
 )
 from epd_trio.protocol.messages import validate_req_id
 from epd_trio.transport.mooncake import MooncakeTransport
-from epd_trio.transport.zmq import PullReceiver, validate_endpoint
+from epd_trio.transport.zmq import PullReceiver
 
 __all__ = [
     "ClientStatistics",
@@ -94,15 +96,6 @@ log = logging.getLogger(__name__)
 _ANSWER_SLACK: Final = 1 << 20
 # Copying this much (~2 ms at memcpy speed) is worth a thread hop off the trio loop.
 _COPY_IN_THREAD_BYTES: Final = 16 << 20
-
-
-def advertised_endpoint(bound: str, advertise: str | None) -> str:
-    """The endpoint encoders push to: ``advertise`` (port 0 = the bound port) or ``bound``."""
-    if not advertise:
-        return bound
-    if advertise.startswith("tcp://") and advertise.endswith(":0") and bound.startswith("tcp://"):
-        advertise = advertise[:-1] + bound.rsplit(":", 1)[1]
-    return validate_endpoint(advertise)
 
 
 class EncoderClient:
@@ -124,7 +117,8 @@ class EncoderClient:
             timeout=config.registry_timeout, on_list=self.router.set_encoders,
         ) if config.bootstrap_url else None
         self.pool = EmbeddingPool(config.pool_bytes)
-        self.endpoint = ""  # advertised to encoders; set once open (zmq only)
+        self.routes = Routes(timeout=config.connect_timeout)  # to encoders: whom to tell what
+        self.addresses: ReturnAddresses | None = None  # what each encoder is told; set once open
         self.mooncake: MooncakeTransport | None = None  # set once open (mooncake only)
         self._transport = http_transport
         self._http: httpx.AsyncClient | None = None
@@ -146,6 +140,12 @@ class EncoderClient:
         return self.router.encoders
 
     @property
+    def endpoint(self) -> str:
+        """The one ZMQ endpoint every encoder is told, when ``zmq_bind`` names one that is no
+        wildcard (or ``zmq_advertise`` is set); "" otherwise (see ``addresses``)."""
+        return self.addresses.endpoint if self.addresses is not None else ""
+
+    @property
     def metrics_registry(self) -> Any:
         """This client's ``prometheus_client.CollectorRegistry`` (see ``client.metrics``)."""
         return self.metrics.registry
@@ -157,10 +157,14 @@ class EncoderClient:
         pull: PullReceiver | None = None
         try:
             if self.config.transfer_backend == "mooncake":
-                self.mooncake = await open_registered_engine(self._stack, self.config, self.pool)
+                host = await choose_mooncake_host(self.config, self.routes)
+                self.mooncake = await open_registered_engine(self._stack, self.config, self.pool, host)
+                self.addresses = ReturnAddresses(self.config, self.routes, mooncake_host=host)
             elif self.config.transfer_backend == "zmq":
-                pull = await self._stack.enter_async_context(PullReceiver(self.config.zmq_bind))
-                self.endpoint = advertised_endpoint(pull.last_endpoint, self.config.zmq_advertise)
+                pull = await self._stack.enter_async_context(PullReceiver(None))
+                self.addresses = ReturnAddresses(self.config, self.routes, pull=pull)
+            else:
+                self.addresses = ReturnAddresses(self.config, self.routes)
             timeout = httpx.Timeout(None, connect=self.config.connect_timeout)  # deadlines are ours
             self._http = http = await self._stack.enter_async_context(
                 httpx.AsyncClient(timeout=timeout, transport=self._transport))
@@ -391,15 +395,14 @@ class EncoderClient:
     async def _post(self, req: LiveRequest, state: PartState) -> Answer:
         """/encode through the router; its 200 answer, else the encoder's error."""
         part, calls = state.part, self._still_open()
-        deliver = {"backend": self.config.transfer_backend}
-        if self.config.transfer_backend == "zmq":
-            deliver["endpoint"] = self.endpoint
+        assert self.addresses is not None
         body = {
             "req_id": req.req_id, "modality": part.modality,
             "mm_items": [req.wire[part.modality][i] for i in part.item_indices],
-            "num_parts": len(req.parts), "part_idx": part.part_idx, "deliver": deliver,
+            "num_parts": len(req.parts), "part_idx": part.part_idx,
         }
-        response = await self.router.post(calls, req, state, body)
+        # "deliver" is the encoder's own: where it can reach us (chosen per attempt).
+        response = await self.router.post(calls, req, state, body, deliver=self.addresses.deliver_for)
         # A Mooncake 200 leaves the part staged on the encoder until its /send.
         state.answered = response.status_code != 200 or self.mooncake is None
         if response.status_code != 200:

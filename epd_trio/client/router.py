@@ -13,7 +13,7 @@ count while parts are still out there.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -88,13 +88,17 @@ class Router:
 
     # ---- I/O ----------------------------------------------------------------------
     async def post(self, calls: EncoderCalls, req: LiveRequest, state: PartState,
-                   body: dict[str, Any]) -> Answer:
+                   body: dict[str, Any], *,
+                   deliver: Callable[[str], Awaitable[dict[str, Any]]] | None = None) -> Answer:
         """/encode for one part (HTTP or gRPC), whatever its status; a connect error moves
-        the part."""
+        the part. ``deliver(url)`` gives the body's ``deliver`` for each encoder tried (where
+        that one reaches us); it may raise ``EncoderUnreachable`` too."""
         tried: list[str] = []
         while True:
-            state.posted = True
             try:
+                if deliver is not None:
+                    body = {**body, "deliver": await deliver(state.encoder_url)}
+                state.posted = True
                 return await calls.post(state.encoder_url, "/encode", body)
             except (httpx.ConnectError, httpx.ConnectTimeout, EncoderUnreachable) as exc:
                 state.posted = False  # it never reached that encoder
