@@ -204,12 +204,15 @@ class EncoderConfig:
     mooncake_protocol: str = _opt("tcp", "Mooncake transport: tcp, or rdma where RDMA NICs exist")
     mooncake_device: str = _opt("", "Mooncake RDMA device names (e.g. mlx5_0), empty for tcp")
     mooncake_host: str | None = _opt(None, "address Mooncake peers reach this encoder at "
-                                     "(default: --host, or 127.0.0.1 when that is 0.0.0.0 or ::)")
+                                     "(default: --host, or when that is 0.0.0.0 or :: the "
+                                     "advertised URL's host)")
     register_url: tuple[str, ...] = _opt((), "bootstrap registry URL to register this encoder with "
                                          "(repeatable; the variable takes a comma-separated list)")
     advertise_url: str | None = _opt(None, "URL registries and clients reach this encoder at "
                                      "(default: the bound http://host:port; a wildcard host becomes "
-                                     "this machine's hostname)")
+                                     "this host's address on the route to the first --register-url "
+                                     "registry on another host, else this machine's hostname; "
+                                     "loopback told to a registry on another host is refused at start)")
     heartbeat_interval: float = _opt(30.0, "seconds between re-announcements to each registry "
                                      "(a restarted registry is refilled within one)")
     registry_auth_token: str | None = _opt(None, "bearer token for the registries' register and "
