@@ -31,7 +31,7 @@ class ClientStatistics:
     parts_live: int  # parts registered with the demultiplexer
     requests_done: int
     requests_failed: int
-    retries: int  # parts moved to another encoder after a connect error
+    retries: int  # parts moved to another encoder after a connect error or a draining refusal
     messages_received: int
     messages_dropped: int  # for no live part (late, duplicate or unknown) or a failed request
     malformed_messages: int  # dropped by the PULL receiver

@@ -39,6 +39,7 @@ from epd_trio.engine import Engine, ModelInfo
 from epd_trio.errors import (
     AbortedError,
     DeadlineExceeded,
+    DrainingError,
     EncodeError,
     EPDError,
     NotReadyError,

@@ -23,6 +23,7 @@ from epd_trio.client.client import advertised_endpoint
 from epd_trio.errors import (
     AbortedError,
     DeadlineExceeded,
+    DrainingError,
     DuplicateRequestError,
     EncodeError,
     EPDError,
@@ -167,6 +168,26 @@ async def test_an_http_error_fails_the_request_and_aborts_the_other_part(make: C
         assert fakes.abort_calls == [(E0, {"req_id": "r-err", "part_idx": 0})]  # ... and aborted
         s = client.statistics()
         assert (s.requests_failed, s.aborts_sent, s.aborts_failed) == (1, 1, 0)
+        assert_clean(client)
+
+
+async def test_a_part_refused_by_a_draining_encoder_moves_to_another(make: Callable) -> None:
+    draining = Behaviour("error", DrainingError("the encoder is draining and accepts no new requests"))
+    fakes, client = make({E0: draining, E1: Behaviour()})
+    async with client:
+        items = images(3)
+        async with await client.encode({"image": items}) as result:
+            assert [p.encoder_url for p in result.parts] == [E1, E1]
+            assert torch.equal(result.embeddings["image"], expected(items, "image"))
+        assert fakes.abort_calls == []  # E0 took nothing: nothing to abort there
+        assert client.statistics().retries == 1
+        assert_clean(client)
+    # With no encoder left to move to, the refusal is the answer.
+    fakes, client = make({E0: draining, E1: draining})
+    async with client:
+        with pytest.raises(RemoteEncodeError) as info:
+            await client.encode({"image": images(2)})
+        assert (info.value.status_code, info.value.error_type) == (503, "DrainingError")
         assert_clean(client)
 
 
