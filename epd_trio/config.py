@@ -442,7 +442,7 @@ class ClientConfig:
         "grpc://...); resolved every refresh_interval and merged with the other sources")
     refresh_interval: float = _opt(5.0, "seconds between refreshes of the registry's and the DNS "
                                    "name's encoder lists (in the background, never on a request's path)")
-    registry_timeout: float = _opt(2.0, "seconds one registry query may take")
+    registry_timeout: float = _opt(2.0, "seconds one registry query (or resolution of discovery_dns) may take")
     transfer_backend: str = _opt("zmq", "how embeddings arrive: zmq (pushed to the client's PULL "
                                  "socket), mooncake (written straight into the registered pool; "
                                  "needs the mooncake extra) or inline (in the HTTP answers: no "

@@ -6,7 +6,9 @@ one nursery) composing three parts, each
 with its own ``statistics()``: the ``Router`` (``router``: placement, failover,
 outstanding counts, ``/abort``), the ``Demultiplexer`` (``demux``: ZMQ messages
 to the parts waiting for them) and the ``Discovery`` task (``discovery``: the
-registry's list, with ``bootstrap_url``).
+registry's list, with ``bootstrap_url``, and a DNS name's, with ``discovery_dns``).
+What each encoder is told to deliver to comes from ``addresses`` (``ReturnAddresses``:
+an address of this host it can reach).
 
 A request is one ``req_id`` and several parts (see ``routing``). Its parts run
 as sibling tasks under one cancel scope; the first failure (an encoder's HTTP
@@ -103,7 +105,7 @@ class EncoderClient:
 
     It composes a ``Router`` (placement, failover, outstanding counts, aborts),
     a ``Demultiplexer`` (the PULL socket and the table of live parts) and, with
-    ``bootstrap_url``, a ``Discovery`` task; what remains here is a request's
+    ``bootstrap_url`` or ``discovery_dns``, a ``Discovery`` task; what remains here is a request's
     own course: register, run the parts, gather, clean up.
     """
 
@@ -115,7 +117,8 @@ class EncoderClient:
         self.discovery = Discovery(
             config.encoder_urls, config.bootstrap_url, interval=config.refresh_interval,
             timeout=config.registry_timeout, on_list=self.router.set_encoders,
-        ) if config.bootstrap_url else None
+            dns=config.discovery_dns,
+        ) if config.bootstrap_url or config.discovery_dns else None
         self.pool = EmbeddingPool(config.pool_bytes)
         self.routes = Routes(timeout=config.connect_timeout)  # to encoders: whom to tell what
         self.addresses: ReturnAddresses | None = None  # what each encoder is told; set once open
@@ -272,12 +275,17 @@ class EncoderClient:
             messages_received=demux.messages_received, messages_dropped=demux.messages_dropped,
             malformed_messages=demux.malformed_messages, aborts_sent=routed.aborts_sent,
             aborts_failed=routed.aborts_failed,
-            refresh_failures=self.discovery.statistics().refresh_failures
-            if self.discovery is not None else 0,
+            refresh_failures=self._refresh_failures(),
             slots_held_after_abort=self._slots_held,
             pool=self.pool.statistics(),
             mooncake=self.mooncake.statistics() if self.mooncake is not None else None,
         )
+
+    def _refresh_failures(self) -> int:
+        if self.discovery is None:
+            return 0
+        s = self.discovery.statistics()
+        return s.refresh_failures + s.dns_failures
 
     def __repr__(self) -> str:
         s = self.statistics()

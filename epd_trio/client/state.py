@@ -37,7 +37,7 @@ class ClientStatistics:
     malformed_messages: int  # dropped by the PULL receiver
     aborts_sent: int
     aborts_failed: int
-    refresh_failures: int  # registry queries that failed (the last list was kept)
+    refresh_failures: int  # registry queries and resolutions that failed (the last list was kept)
     pool: PoolStatistics
     mooncake: MooncakeStatistics | None  # the transfer engine, with transfer_backend="mooncake"
     slots_held_after_abort: int = 0  # Mooncake slots held abort_hold s: an /abort went unconfirmed
