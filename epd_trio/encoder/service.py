@@ -125,7 +125,7 @@ class EncoderService:
         """
         try:
             if not self.admitting:
-                raise NotReadyError("the encoder is draining and accepts no new requests")
+                raise DrainingError("the encoder is draining and accepts no new requests")
             if delivery is None:
                 delivery = self.delivery_for(request)
             ours = trio.current_time() + self.config.request_timeout
