@@ -53,7 +53,7 @@ from epd_trio.client.answers import (
     parse_meta,
     parse_sized_meta,
 )
-from epd_trio.client.calls import EncoderCalls
+from epd_trio.client.calls import EncoderCalls, encoder_transport
 from epd_trio.client.demux import Demultiplexer
 from epd_trio.client.discovery import Discovery, merge_urls
 from epd_trio.client.inplace import open_registered_engine, write_parts
@@ -170,7 +170,7 @@ class EncoderClient:
                 self.addresses = ReturnAddresses(self.config, self.routes)
             timeout = httpx.Timeout(None, connect=self.config.connect_timeout)  # deadlines are ours
             self._http = http = await self._stack.enter_async_context(
-                httpx.AsyncClient(timeout=timeout, transport=self._transport))
+                httpx.AsyncClient(timeout=timeout, transport=self._transport or encoder_transport()))
             # A part's answer holds at most its embedding (inline), which must fit the pool.
             self._calls = EncoderCalls(http, await self._stack.enter_async_context(self.grpc),
                                        max_answer_bytes=self.config.pool_bytes + _ANSWER_SLACK)
