@@ -29,15 +29,29 @@ another encoder, as after a refused connection.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
-from epd_trio._routes import IPAddress, Route, Routes, is_loopback_host, is_wildcard, url_host
+from epd_trio._routes import (
+    IPAddress,
+    Route,
+    Routes,
+    is_loopback_host,
+    is_wildcard,
+    url_host,
+)
 from epd_trio.client.answers import EncoderUnreachable
 from epd_trio.config import ClientConfig
 from epd_trio.errors import PeerUnavailable
 from epd_trio.transport.zmq import PullReceiver, validate_endpoint
 
-__all__ = ["ReturnAddresses", "advertised_endpoint", "choose_mooncake_host", "endpoint_host"]
+__all__ = [
+    "AddressStatistics",
+    "ReturnAddresses",
+    "advertised_endpoint",
+    "choose_mooncake_host",
+    "endpoint_host",
+]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +97,15 @@ async def choose_mooncake_host(config: ClientConfig, routes: Routes) -> str:
             log.info("mooncake host: %s, this host's address on the route to %s", route.source, url)
             return str(route.source)
     return "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class AddressStatistics:
+    backend: str
+    endpoints: tuple[str, ...]  # where the PULL socket listens (ZMQ)
+    told: str  # the one endpoint every encoder is told, or "" when each is told its own
+    mooncake_host: str | None  # the transfer engine's name (Mooncake)
+    route_lookups: int  # routes found afresh (cached ones not counted)
 
 
 class ReturnAddresses:
@@ -174,6 +197,10 @@ class ReturnAddresses:
         if route is not None and not route.local:
             _refuse_loopback(f"the Mooncake session {self._mooncake_host}", route, encoder_url,
                              "ClientConfig.mooncake_host")
+
+    def statistics(self) -> AddressStatistics:
+        return AddressStatistics(self._config.transfer_backend, self.endpoints, self.endpoint,
+                                 self._mooncake_host, self._routes.lookups)
 
     def __repr__(self) -> str:
         told = self._fixed or (f"each route's source, port {self._port}" if self._port else

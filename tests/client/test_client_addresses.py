@@ -12,11 +12,22 @@ from collections.abc import AsyncIterator
 
 import pytest
 import trio
-
 from client_fakes import Behaviour, FakeEncoders, item_bytes
-from epd_trio._routes import Route, find_route, is_loopback_host, is_wildcard, url_host
+
+from epd_trio._routes import (
+    Route,
+    Routes,
+    find_route,
+    is_loopback_host,
+    is_wildcard,
+    url_host,
+)
 from epd_trio.client import open_encoder_client
-from epd_trio.client.addresses import ReturnAddresses, choose_mooncake_host, endpoint_host
+from epd_trio.client.addresses import (
+    ReturnAddresses,
+    choose_mooncake_host,
+    endpoint_host,
+)
 from epd_trio.client.answers import EncoderUnreachable
 from epd_trio.config import ClientConfig
 from epd_trio.errors import PeerUnavailable
@@ -46,6 +57,7 @@ class TableRoutes:
 
     def __init__(self, table: dict[str, Route] = TABLE) -> None:
         self.table, self.asked = table, []
+        self.lookups = 0
 
     async def to(self, host: str) -> Route:
         self.asked.append(host)
@@ -86,6 +98,16 @@ async def test_the_kernel_routes_loopback_from_loopback() -> None:
         assert found.local and found.source.is_loopback, found
 
 
+async def test_routes_are_cached_for_their_ttl(autojump_clock: object) -> None:
+    routes = Routes(timeout=5, ttl=30)
+    for _ in range(3):
+        assert (await routes.to("127.0.0.1")).local
+    assert routes.lookups == 1
+    await trio.sleep(30)
+    await routes.to("127.0.0.1")
+    assert routes.lookups == 2 and repr(routes) == "<Routes 1 hosts cached, 2 lookups>"
+
+
 async def open_addresses(routes: TableRoutes, **config: object) -> tuple[PullReceiver, ReturnAddresses]:
     pull = PullReceiver(None)
     await pull.__aenter__()
@@ -101,6 +123,8 @@ async def test_by_default_each_encoder_is_told_the_address_on_its_route() -> Non
         assert first.startswith("tcp://127.0.0.1:") and second.startswith("tcp://127.0.0.2:")
         assert (await addresses.deliver_for(LOCAL))["endpoint"] == first  # bound once per address
         assert pull.endpoints == [first, second] and addresses.endpoint == ""
+        s = addresses.statistics()
+        assert (s.backend, s.endpoints, s.told, s.mooncake_host) == ("zmq", (first, second), "", None)
         with pytest.raises(EncoderUnreachable, match="unknown-host does not resolve"):
             await addresses.deliver_for(UNKNOWN)  # the part may move to another encoder
     finally:
