@@ -22,6 +22,12 @@ from epd_trio.config import (
 CONFIG_OF = {"encoder": EncoderConfig, "bootstrap": BootstrapConfig, "demo": EngineConfig}
 
 
+@pytest.fixture(autouse=True)
+def terminal_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """argparse wraps to the terminal: the same width wherever the tests run."""
+    monkeypatch.setenv("COLUMNS", "100")
+
+
 def run_help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     with pytest.raises(SystemExit) as exited:
         main(list(argv))
