@@ -3,7 +3,7 @@
 ``epd-trio encoder --help`` shows the options most runs need, the option groups and examples;
 ``--help=GROUP`` one group (``--help=delivery``), ``--help=all`` every option, ``--help=WORD``
 the options whose names contain WORD (``--help=timeout``). The groups are the config fields'
-(``epd_trio.config.GROUPS``), so a new field shows up in its group with nothing to add here.
+(``epd_trio._options.GROUPS``), so a new field shows up in its group with nothing to add here.
 argparse has no public way to walk its groups; ``_action_groups`` and ``_group_actions`` are
 the attributes its own ``format_help`` reads.
 """
