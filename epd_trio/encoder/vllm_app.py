@@ -33,6 +33,7 @@ from werkzeug.exceptions import HTTPException
 from epd_trio._http import (
     BearerAuth,
     JoinedBodyRequest,
+    install_error_handlers,
     json_response,
     parse_json_off_loop,
 )
@@ -66,10 +67,14 @@ def error_response(exc: BaseException, request_id: str | None = None) -> Respons
         body = {"error": {"message": exc.description or exc.name, "type": exc.name.replace(" ", ""),
                           "param": None, "code": exc.code}}
         return _with_id(json_response(body, exc.code or 500), request_id)
-    if isinstance(exc, HTTPException):
+    closing = isinstance(exc, HTTPException)  # 413: the body was refused unread
+    if closing:
         exc = PayloadTooLargeError("request body is over the size limit")
     body, status = openai_error(exc)
-    return _with_id(json_response(body, status), request_id)
+    response = _with_id(json_response(body, status), request_id)
+    if closing:
+        response.headers["Connection"] = "close"
+    return response
 
 
 def _with_id(response: Response, request_id: str | None) -> Response:
@@ -101,7 +106,7 @@ def create_vllm_app(service: EncoderService) -> QuartTrio:
     _chat_route(app, service, VllmItems(service, model_id, config.mm_hasher_algorithm), served)
     _operation_routes(app, service, served, model_id)
     add_shared_routes(app, service)
-    _error_handlers(app)
+    install_error_handlers(app, "vLLM-face", respond=error_response)
     return app
 
 
@@ -159,20 +164,3 @@ def _operation_routes(app: QuartTrio, service: EncoderService, served: str, mode
     async def stop_profile() -> Response:
         await service.profiler.stop()
         return Response("", status=200)
-
-
-def _error_handlers(app: QuartTrio) -> None:
-    """Ours, Quart's (404, 405, 413) and bugs, all as OpenAI's error object."""
-
-    @app.errorhandler(EPDError)
-    async def epd_error(exc: EPDError) -> Response:
-        return error_response(exc)
-
-    @app.errorhandler(HTTPException)
-    async def http_error(exc: HTTPException) -> Response:
-        return error_response(exc)
-
-    @app.errorhandler(Exception)
-    async def bug(exc: Exception) -> Response:
-        log.exception("unhandled error in a vLLM-face handler")
-        return error_response(exc)

@@ -31,6 +31,7 @@ from epd_trio.protocol.messages import MAX_REQ_ID
 from epd_trio.protocol.requests import Delivery, EncodeMeta, EncodeRequest
 
 __all__ = [
+    "DELIVERIES",
     "ChatItem",
     "ChatRequest",
     "ec_transfer_params",
@@ -40,6 +41,7 @@ __all__ = [
     "storage_request",
 ]
 
+DELIVERIES: Final = ("vllm_storage",)  # the deliveries this face's requests name
 _PARTS: Final = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
 _IGNORED: Final = ("text", "input_text", "refusal", "thinking")
 _MAX_UUID: Final = 256
@@ -166,7 +168,7 @@ def storage_request(request_id: str, modality: str, items: list[Any], hashes: li
                     part_idx: int, num_parts: int) -> EncodeRequest:
     """One modality's items of a chat request, for vLLM's shared storage under ``hashes``."""
     return EncodeRequest(req_id=request_id, modality=modality, mm_items=items, num_parts=num_parts,
-                         part_idx=part_idx, hashes=hashes, deliver=Delivery("vllm_storage"))
+                         part_idx=part_idx, hashes=hashes, deliver=Delivery(DELIVERIES[0]))
 
 
 def _family_metadata(modality: str, grid: Sequence[int] | None, tokens: int) -> dict[str, Any]:
