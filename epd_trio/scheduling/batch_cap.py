@@ -40,8 +40,9 @@ and is not retried until the next re-probe.
 cap's own bucket and measures its neighbours again: the bucket below (when
 forwards have landed there before) and the one above, so a device that got
 busier or freer, or a load that changed shape, is noticed. The cost is bounded:
-two probes of at most ``probe_batches`` forwards per ``reprobe_every``, and a
-probe that loses costs only its few forwards' difference.
+while the cap holds, two probes of at most ``probe_batches`` forwards per
+``reprobe_every``, each losing only its few forwards' difference; a probe that
+wins moves the cap, and the next one starts from there.
 
 A forward of several requests that runs out of device memory makes its bucket a
 ceiling for the learner's life: the cap drops below it and is never probed there
