@@ -91,21 +91,23 @@ def test_reprobes_are_bounded_and_regular() -> None:
     assert (one.statistics().reprobes, one.statistics().probes) == (5, 6)
 
 
-def test_a_device_that_gets_free_is_noticed() -> None:
-    one = learner()
-    simulate(one, cpu, 70)
-    assert one.statistics().cap_tokens == 256
-    sizes = simulate(one, gpu, 200)
-    assert sizes[-10:] == [8] * 10 and one.statistics().cap_tokens == 2048
+CHANGES = [
+    # (name, before, forwards, cap before, after, forwards, settled size, cap after)
+    ("a device that gets free: noticed at the next re-probe", cpu, 70, 256, gpu, 200, 8, 2048),
+    ("a device that gets busy: the cap's own bucket sees it, the re-probes walk down",
+     gpu, 30, 2048, cpu, 300, 1, 256),
+]
 
 
-def test_a_device_that_gets_busy_is_noticed() -> None:
-    """Batches stop paying (the cap's own bucket sees it at once): the re-probe walks down."""
+@pytest.mark.parametrize(("name", "before", "n_before", "cap_before", "after", "n_after", "size", "cap"),
+                         CHANGES, ids=[c[0] for c in CHANGES])
+def test_a_changed_device_is_noticed(name: str, before: Cost, n_before: int, cap_before: int,
+                                     after: Cost, n_after: int, size: int, cap: int) -> None:
     one = learner()
-    simulate(one, gpu, 30)
-    assert one.statistics().cap_tokens == 2048
-    sizes = simulate(one, cpu, 300)
-    assert sizes[-10:] == [1] * 10 and one.statistics().cap_tokens == 256
+    simulate(one, before, n_before)
+    assert one.statistics().cap_tokens == cap_before
+    assert simulate(one, after, n_after)[-10:] == [size] * 10
+    assert one.statistics().cap_tokens == cap
 
 
 def test_one_slow_forward_does_not_move_the_cap() -> None:
