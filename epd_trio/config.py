@@ -81,6 +81,11 @@ class EngineConfig:
     max_batch_size: int = _opt(8, "most requests in one forward")
     max_batch_tokens: int = _opt(65536, "most output tokens in one forward (the oldest request always runs)")
     coalesce_delay: float = _opt(0.0, "seconds a non-full batch waits for company (0 = never)")
+    adaptive_batch: bool = _opt(True, "learn, per device and modality, the tokens per forward past "
+                                "which throughput stops growing, and batch no further than that "
+                                "(re-measured now and then; --max-batch-size and "
+                                "--max-batch-tokens stay the ceilings); off: batches fill to "
+                                "the ceilings")
     max_pending: int = _opt(256, "admitted requests (preprocessing, queued or running); over it → 503")
     preprocess_workers: int = _opt(2, "preprocessing workers running in parallel with the forward (threads, or processes with --preprocess-mode process)")
     media_root: str | None = _opt(None, "directory local-path items may be read from (off by default)")
