@@ -10,6 +10,7 @@ and, where they apply, ``choices`` (the values taken: shown in --help and checke
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -33,6 +34,7 @@ from epd_trio._options import (
 
 __all__ = [
     "BootstrapConfig",
+    "EcTransfer",
     "ClientConfig",
     "EncoderConfig",
     "EngineConfig",
@@ -43,9 +45,10 @@ __all__ = [
     "config_from_env",
     "env_name",
     "flag_name",
+    "parse_ec_transfer_config",
 ]
 
-APIS = ("native", "sglang")
+APIS = ("native", "sglang", "vllm")
 SGLANG_BACKENDS = ("zmq_to_scheduler", "zmq_to_tokenizer", "mooncake")
 ENCODER_BACKENDS = ("zmq", "mooncake")
 CLIENT_BACKENDS = ("zmq", "mooncake", "inline")
@@ -55,6 +58,9 @@ _HTTP_SERVER_HELP = ("the HTTP server: builtin (epd_trio's lean HTTP/1.1 server 
                      "(Hypercorn's trio worker)")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREPROCESS_MODES = ("thread", "process")
+EC_CONNECTORS = ("ECExampleConnector",)  # the vLLM EC connectors an encoder writes for
+EC_STORAGE_DEFAULT = "/tmp"  # vLLM's ECExampleConnector default shared_storage_path
+MM_HASH_ALGORITHMS = ("blake3", "sha256", "sha512")  # vLLM's --mm-hasher-algorithm
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _LOG_METAVAR = "{" + ",".join(LOG_LEVELS) + "}"
 MAX_THREADS = 1024  # torch threads of one forward or worker: far past any core count, short of a crash
@@ -98,6 +104,11 @@ class EngineConfig:
                                  "runs)", group="batching")
     coalesce_delay: float = _opt(0.0, "seconds a non-full batch waits for company (0 = never)",
                                  group="batching")
+    adaptive_batch: bool = _opt(True, "learn, per device and modality, the tokens per forward past "
+                                "which throughput stops growing, and batch no further than that "
+                                "(re-measured now and then; --max-batch-size and "
+                                "--max-batch-tokens stay the ceilings); off: batches fill to "
+                                "the ceilings", group="batching")
     max_pending: int = _opt(256, "admitted requests (preprocessing, queued or running); over it → 503",
                             group="batching")
     preprocess_workers: int = _opt(2, "preprocessing workers running in parallel with the forward "
@@ -202,8 +213,10 @@ class EncoderConfig:
     grpc_port: int | None = _opt(None, "also serve gRPC on this port (0 picks a free one), on the "
                                  "same host and runtime: SGLang's SglangEncoder, epd_trio.v1.Encoder, "
                                  "grpc.health.v1 and reflection; default: no gRPC", group="serving")
-    api: str = _opt("native", "the HTTP face: native (epd_trio's protocol v1) or sglang (SGLang "
-                    "0.5.23's encoder routes and bodies, a drop-in for its --encoder-only server)",
+    api: str = _opt("native", "the HTTP face: native (epd_trio's protocol v1), sglang (SGLang "
+                    "0.5.23's encoder routes and bodies, a drop-in for its --encoder-only server) "
+                    "or vllm (vLLM 0.32's EPD encoder instance: OpenAI /v1/chat/completions, "
+                    "embeddings to vLLM's EC connector; needs --ec-transfer-config)",
                     group="serving", choices=APIS)
     encoder_transfer_backend: str = _opt("zmq_to_scheduler", "with --api sglang, how embeddings "
                                          "reach SGLang (SGLang's own flag and values)",
@@ -213,6 +226,19 @@ class EncoderConfig:
                                        "Send) waiting at once for parts no delivery holds yet (their "
                                        "/encode not come or not yet preprocessed) (→ 503)",
                                        group="delivery")
+    ec_transfer_config: str | None = _opt(
+        None, "with --api vllm, vLLM's own --ec-transfer-config JSON for an encoder instance: "
+        "ec_connector ECExampleConnector, ec_role ec_producer, ec_connector_extra_config."
+        "shared_storage_path (default /tmp, as vLLM's)", group="delivery")
+    vllm_model: str | None = _opt(
+        None, "with --api vllm, the vLLM language server's --model string exactly as it was given "
+        "there: it enters every item's mm_hash, so it must equal the consumer's (default: "
+        "--model-path as given)", group="serving")
+    served_model_name: str | None = _opt(
+        None, "with --api vllm, the model name requests may carry and /v1/models lists (vLLM's "
+        "--served-model-name; default: --vllm-model)", group="serving")
+    mm_hasher_algorithm: str = _opt("blake3", "with --api vllm, the consumer's --mm-hasher-algorithm",
+                                    group="delivery", choices=MM_HASH_ALGORITHMS)
     request_timeout: float = _opt(180.0, "seconds a request may live, from arrival to delivery (→ 504)",
                                   group="serving", sglang_env="SGLANG_ENCODER_REQ_TIMEOUT")
     send_timeout: float = _opt(60.0, "seconds one delivery may take (ZMQ send, Mooncake /send wait) "
@@ -280,6 +306,7 @@ class EncoderConfig:
             raise ValueError(f"{_named('grpc_port')} must be in 0..65535, got {self.grpc_port}")
         if self.grpc_port and self.grpc_port == self.port:
             raise ValueError(f"{_named('grpc_port')} must differ from {_named('port')}: both are {self.port}")
+        _check_vllm(self)
         _require(self, lambda v: v >= 1, "at least 1", "max_body_bytes", "max_items", "zmq_max_sockets",
                  "zmq_sndhwm", "sglang_max_early_calls")
         _require(self, lambda v: v <= _INT32_MAX, f"at most {_INT32_MAX} (libzmq's int)", "zmq_sndhwm")
@@ -299,6 +326,13 @@ class EncoderConfig:
                            tuple(dict.fromkeys(_url(u, "register_url") for u in self.register_url)))
         if self.advertise_url is not None:
             object.__setattr__(self, "advertise_url", _url(self.advertise_url, "advertise_url"))
+
+    @property
+    def vllm_storage_path(self) -> str | None:
+        """With --api vllm, the shared-storage directory of its EC connector; else None."""
+        if self.api != "vllm" or self.ec_transfer_config is None:
+            return None
+        return parse_ec_transfer_config(self.ec_transfer_config).storage_path
 
     @property
     def uses_mooncake(self) -> bool:
@@ -337,6 +371,47 @@ class BootstrapConfig:
         _require(self, lambda v: v >= 1, "at least 1", "max_failures", "max_encoders")
         _check_token("auth_token", self.auth_token)
         check_log_level(self.log_level)
+
+
+@dataclass(frozen=True)
+class EcTransfer:
+    """The parts of vLLM's ``--ec-transfer-config`` this encoder acts on."""
+
+    connector: str
+    role: str
+    storage_path: str
+
+
+def parse_ec_transfer_config(raw: str) -> EcTransfer:
+    """vLLM's ``--ec-transfer-config`` JSON; ``ValueError`` says what is wrong with it."""
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"ec_transfer_config (--ec-transfer-config) is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError("ec_transfer_config (--ec-transfer-config) must be a JSON object")
+    connector, role = config.get("ec_connector"), config.get("ec_role")
+    if connector not in EC_CONNECTORS:
+        raise ValueError(f"ec_transfer_config: ec_connector must be one of {', '.join(EC_CONNECTORS)}, "
+                         f"got {connector!r}")
+    if role != "ec_producer":
+        raise ValueError(f"ec_transfer_config: an encoder's ec_role is ec_producer, got {role!r}")
+    extra = config.get("ec_connector_extra_config") or {}
+    path = extra.get("shared_storage_path", EC_STORAGE_DEFAULT) if isinstance(extra, dict) else None
+    if not isinstance(path, str) or not path:
+        raise ValueError("ec_transfer_config: ec_connector_extra_config.shared_storage_path must be "
+                         "a directory path")
+    return EcTransfer(connector, role, path)
+
+
+def _check_vllm(config: EncoderConfig) -> None:
+    """--api vllm needs vLLM's --ec-transfer-config (checked here, before minutes of loading)."""
+    if config.api != "vllm":
+        return
+    if config.ec_transfer_config is None:
+        raise ValueError("--api vllm needs ec_transfer_config (--ec-transfer-config): vLLM's JSON "
+                         "naming the EC connector and its storage")
+    parse_ec_transfer_config(config.ec_transfer_config)
 
 
 def _named(name: str) -> str:
