@@ -168,10 +168,10 @@ _MAIN: Mapping[str, Any] = MappingProxyType({
 epd-trio COMMAND --help shows a command's options.""",
 })
 _ENCODER: Mapping[str, Any] = MappingProxyType({
-    "description": ("Serve the encoder: requests come over HTTP (protocol v1, or SGLang's encoder "
-                    "API with --api sglang) and, with --grpc-port, gRPC; embeddings leave inline, "
-                    "over ZMQ or through Mooncake. SIGINT or SIGTERM lets in-flight requests finish "
-                    "(--drain-timeout), then exits 0.\n\nEvery option is also an EPD_* environment "
+    "description": ("Serve the encoder: requests come over HTTP (protocol v1, SGLang's encoder API "
+                    "with --api sglang, vLLM's with --api vllm) and, with --grpc-port, gRPC; "
+                    "embeddings leave inline, over ZMQ, through Mooncake or to vLLM's EC connector. "
+                    "SIGINT or SIGTERM lets in-flight requests finish (--drain-timeout), then exits 0.\n\nEvery option is also an EPD_* environment "
                     "variable (--max-batch-size: EPD_MAX_BATCH_SIZE); a flag wins over its variable. "
                     "A SIZE is bytes, or a number with a unit: 512KiB, 128MiB, 1GiB."),
     "epilog": """examples:
@@ -183,6 +183,9 @@ _ENCODER: Mapping[str, Any] = MappingProxyType({
   # a drop-in for SGLang's encoder-only server
   epd-trio encoder --api sglang --encoder-transfer-backend zmq_to_scheduler \\
       --host 0.0.0.0 --port 30002 --model-path /models/Qwen2.5-VL-7B-Instruct
+  # an encoder instance of vLLM's EPD: embeddings go where vLLM's EC connector reads them
+  epd-trio encoder --api vllm --port 8001 --model-path /models/Qwen2.5-VL-7B-Instruct \\
+      --ec-transfer-config '{"ec_connector": "ECExampleConnector", "ec_role": "ec_producer"}'
   # the delivery options, or every option
   epd-trio encoder --help=delivery
   epd-trio encoder --help=all""",

@@ -13,6 +13,7 @@ from epd_trio import __version__
 from epd_trio._options import GROUPS, config_fields, flag_name, grouped_fields
 from epd_trio.cli import build_parser, main
 from epd_trio.config import (
+    APIS,
     BootstrapConfig,
     EncoderConfig,
     EngineConfig,
@@ -88,7 +89,7 @@ def test_help_all_shows_every_option_in_its_group_with_readable_defaults(
         assert "--log-level {DEBUG,INFO,WARNING,ERROR,CRITICAL}" in out and "[default: INFO]" in flat
     if command == "encoder":
         assert "--max-body-bytes SIZE" in out and "[default: 128MiB]" in flat
-        assert "--api {native,sglang}" in out and "--dtype {auto,float32,bfloat16,float16}" in out
+        assert f"--api {{{','.join(APIS)}}}" in out and "--dtype {auto,float32,bfloat16,float16}" in out
         assert "[env: EPD_REQUEST_TIMEOUT; with --api sglang also SGLANG_ENCODER_REQ_TIMEOUT]" in flat
 
 
