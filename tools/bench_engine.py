@@ -56,7 +56,9 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+
+import bench_results  # noqa: E402  (tools/: the results file the docs are built from)
 
 
 @dataclass(frozen=True)
@@ -422,6 +424,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--malloc-default", action="store_true",
                    help="leave glibc's malloc as it is (default on a CPU device: it keeps freed "
                    "memory, for the engine and the bare loop alike, as epd-trio encoder does)")
+    bench_results.add_argument(p)
     return p.parse_args(argv)
 
 
@@ -480,9 +483,14 @@ def measure(c: int, model_dir: Path, bare: tuple[Any, Any], images: list[Any],
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    with bench_results.recording("bench_engine", args.results, argv):
+        measure_and_report(args)
+
+
+def measure_and_report(args: argparse.Namespace) -> None:
     import torch
 
-    args = parse_args(argv)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     spec = QUICK if args.quick else QWEN25_VL_7B
@@ -517,9 +525,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                                      cpu_share(b.cpu_seconds, b.seconds)) < 0.8
     print()
     print_table(rows)
+    note = f"{n} {args.format} images, {args.dtype}, device {args.device}, best of {repeat}"
     if starved:
-        print("note: a kept run used under 80% of the cores: other load on the machine; "
-              "treat the ratios as noisy (raise --repeat)")
+        note += ("; a kept run used under 80% of the cores: other load on the machine; "
+                 "treat the ratios as noisy (raise --repeat)")
+        print("note: " + note.split("; ", 1)[1])
+    bench_results.record("engine against the bare transformers loop (img/s)", COLUMNS, rows, note)
 
 
 if __name__ == "__main__":
