@@ -6,7 +6,7 @@ Precedence: an explicit flag, then the variable, then the field's default.
 With ``--api sglang`` a field may also read SGLang's own variable for it
 (``sglang_env`` in its metadata: ``SGLANG_ENCODER_REQ_TIMEOUT``,
 ``SGLANG_ENCODER_SEND_TIMEOUT``), below ours: flag, ``EPD_*``, ``SGLANG_*``, default.
-The field's ``help`` metadata is the flag's help text and the README's table.
+The field's ``help`` metadata is the flag's help text and the table in docs/configuration.md.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class EngineConfig:
     cache_mb: int = _opt(0, "host memory for the embedding cache in MiB: items seen before (by "
                          "their hashes entry, else their content) skip preprocessing and the "
                          "forward; LRU by bytes; 0 = off")
-    # ---- where preprocessing runs (issue 17, items 2 and 3) ----
+    # ---- where preprocessing runs ----
     preprocess_mode: str = _opt("thread", "thread (preprocess in --preprocess-workers threads of the "
                                 "encoder process) or process (in a pool of --preprocess-workers "
                                 "spawned processes; tensors come back through shared memory)")

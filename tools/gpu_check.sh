@@ -10,8 +10,8 @@
 # Python: $PYTHON (default python3, the one that holds torch). Packages that python lacks
 # come from a wheel directory, $EPD_WHEELS (default .whl, made here by tools/gpu_wheels.sh),
 # installed offline into a venv that also sees $PY's own packages (torch, transformers).
-# Through the device tool: first `bash tools/gpu_wheels.sh` here, then run
-#   bash tools/gpu_check.sh        with carry [".whl"] and timeout_s 580.
+# Without network there: first `bash tools/gpu_wheels.sh` where pip works, then copy .whl/
+# along with the checkout and run `bash tools/gpu_check.sh` (give it 580 s).
 # Exit status: 0 when every step passed (or no CUDA), 1 when a step failed or timed out.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,7 +23,7 @@ WHEELS="${EPD_WHEELS:-$ROOT/.whl}"
 VENV="${EPD_GPU_VENV:-/tmp/epd-gpu-venv}"
 CKPT="${EPD_GPU_CKPT:-/tmp/epd-gpu-ckpt/qwen2.5-vl-7b-vision}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 MC_LOG_LEVEL=ERROR
-# As tools/env.sh does, and as the README asks of every encoder: idle OpenMP threads sleep.
+# As tools/env.sh does, and as docs/deployment.md asks of every encoder: idle OpenMP threads sleep.
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 
 if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
@@ -70,8 +70,8 @@ FAILED=0
 # One budget for the whole script (set-up included), so the table is out in under 8 minutes
 # however the steps fare: a step gets its own limit or what is left, whichever is less.
 BUDGET="${EPD_GPU_BUDGET:-520}"
-# The device tool brings back at most 8 files from $OUT: a step named LOG:PART appends to
-# LOG's log (LOG.log), so the logs and summary.txt stay within that.
+# $OUT holds at most 8 files (the step logs and summary.txt): a step named LOG:PART appends
+# to LOG's log (LOG.log).
 step() {  # step NAME TIMEOUT_S COMMAND...
     local name="$1" limit="$2"; shift 2
     local t0=$SECONDS status left=$((BUDGET - SECONDS - 5)) log append=()
@@ -94,8 +94,8 @@ step gpu_tests 120 "$PY" -m pytest -q -m gpu tests/test_gpu.py -k "not compile" 
     -o faulthandler_timeout=110
 # SGLang's own Mooncake receiver (WaitingRDMARequest) with its unmodified per-request CUDA
 # landing buffer; on CPU, tests/sglang lands in a CPU tensor instead. Needs the interop env
-# (tools/sglang_env.sh) and a CUDA build of mooncake-transfer-engine on that machine: the
-# device tool's carry (64 MiB in all) cannot take .sglang (~270 MB), so a lent machine skips it.
+# (tools/sglang_env.sh, ~270 MB: installed on that machine, not copied) and a CUDA build of
+# mooncake-transfer-engine there; without them the step is skipped.
 if [ -f "$ROOT/.sglang/.epd-sglang-installed" ] && "$PY" -c 'import mooncake.engine' >/dev/null 2>&1; then
     step sglang_mooncake 120 env EPD_SGLANG_LANDING=cuda EPD_REQUIRE_SGLANG=1 "$PY" -m pytest -q \
         tests/sglang/test_sglang_end_to_end.py -k mooncake -p no:cacheprovider -o faulthandler_timeout=110
@@ -116,14 +116,14 @@ step bench_production 80 "$PY" tools/bench_production.py --quick --full-size --d
 step bench_preprocess 100 "$PY" tools/bench_preprocess.py --quick --workers 1 4 16 \
     --sizes 448 1024 --repeat 2 --device cuda
 # Everything but the model: images/s and server CPU per image against preprocessing workers.
-# No --plot: the device tool brings back 8 files from $OUT, the step logs and summary.txt.
+# No --plot: $OUT keeps only the step logs and summary.txt.
 step bench_capacity 75 "$PY" tools/bench_capacity.py --quick --null-forward --formats jpeg \
     --sizes 64 448 --workers 1 4 16 --repeats 1
-# The same with preprocessing in child processes: threads share one GIL (README, "a fifth
-# time"), so on many cores processes are what should scale.
+# The same with preprocessing in child processes: threads share one GIL, so on many cores
+# processes are what should scale.
 step bench_capacity:process 60 "$PY" tools/bench_capacity.py --quick --null-forward --formats jpeg \
     --sizes 448 --workers 4 16 --repeats 1 --preprocess-mode process
-# ZMQ against the raw socket at 1-64 MiB on a quiet many-core host (issue 17's 0.8 x raw target).
+# ZMQ against the raw socket at 1-64 MiB on a quiet many-core host (target: 0.8 x raw).
 step bench_transfer 40 "$PY" tools/bench_transfer.py --quick --skip-mooncake --plot ''
 step gpu_tests:compile 90 "$PY" -m pytest -q -m gpu tests/test_gpu.py -k compile -p no:cacheprovider \
     -o faulthandler_timeout=80
