@@ -1,6 +1,6 @@
-"""Print the README's configuration table from the config dataclasses.
+"""Print the configuration table of docs/configuration.md from the config dataclasses.
 
-`python tools/config_table.py` — tests check that README.md contains its output,
+`python tools/config_table.py` — tests check that docs/configuration.md contains its output,
 so the documented flags can never drift from the code.
 """
 
