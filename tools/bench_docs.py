@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,13 +171,14 @@ def render(results: dict[str, Results]) -> str:
     out = [HEAD]
     for tool, section in SECTIONS.items():
         out.append(f"## {section.title}\n")
-        out.append(f"`tools/{tool}.py` — {section.measures}\n")
+        out.append(f"{section.measures}\n")
         r = results.get(tool)
         if r is None:
             out.append("Not measured yet: run `python tools/bench_all.py --only " + tool + "`.\n")
             continue
         out.append(f"```bash\n{r.command}\n```\n")
-        out.append(f"Measured {r.started} on {host_line(r)}.\n")
+        out.append(textwrap.fill(f"Measured {r.started} on {host_line(r)}.", width=96,
+                                 break_on_hyphens=False) + "\n")
         out.extend(render_table(t) + "\n" for t in r.tables)
     return "\n".join(out).rstrip() + "\n"
 
