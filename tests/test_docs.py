@@ -180,3 +180,18 @@ def test_the_docs_site_builds_strictly(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-5000:]
     assert (tmp_path / "site" / "reference" / "index.html").read_text().count("open_engine") > 1
 
+
+
+def test_the_variables_an_encoder_and_a_registry_share_are_all_named() -> None:
+    """Configuration says which EPD_* variables one shell environment gives both processes."""
+    import dataclasses
+
+    from epd_trio.config import BootstrapConfig, EncoderConfig, EngineConfig, env_name
+
+    def names(cls: type) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls) if not f.metadata.get("nested")}
+
+    shared = {env_name(n) for n in names(BootstrapConfig) & (names(EncoderConfig) | names(EngineConfig))}
+    text = " ".join((ROOT / "docs" / "configuration.md").read_text().split())
+    sentence = text[text.index("fields they both have:"):].split(". ", 1)[0]
+    assert set(re.findall(r"`(EPD_\w+)`", sentence)) == shared
