@@ -183,7 +183,7 @@ def test_the_docs_site_builds_strictly(tmp_path: Path) -> None:
 
 
 def test_the_variables_an_encoder_and_a_registry_share_are_all_named() -> None:
-    """Configuration says which EPD_* variables one shell environment gives both processes."""
+    """Deployment says which EPD_* variables one shell environment gives both processes."""
     import dataclasses
 
     from epd_trio.config import BootstrapConfig, EncoderConfig, EngineConfig, env_name
@@ -192,6 +192,6 @@ def test_the_variables_an_encoder_and_a_registry_share_are_all_named() -> None:
         return {f.name for f in dataclasses.fields(cls) if not f.metadata.get("nested")}
 
     shared = {env_name(n) for n in names(BootstrapConfig) & (names(EncoderConfig) | names(EngineConfig))}
-    text = " ".join((ROOT / "docs" / "configuration.md").read_text().split())
+    text = " ".join((ROOT / "docs" / "deployment.md").read_text().split())
     sentence = text[text.index("fields they both have:"):].split(". ", 1)[0]
     assert set(re.findall(r"`(EPD_\w+)`", sentence)) == shared

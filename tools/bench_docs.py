@@ -162,7 +162,7 @@ def render_table(table: Table) -> str:
              "|" + "---|" * len(table.header)]
     lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in table.rows]
     if table.note:
-        lines += ["", table.note]
+        lines += ["", textwrap.fill(table.note.replace("*", "\\*"), width=96, break_on_hyphens=False)]
     return "\n".join(lines)
 
 
