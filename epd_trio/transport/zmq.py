@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 TERM_GRACE = 2.0  # seconds past the linger that closing waits for libzmq to let go
 # Bytes per PUSH socket that a send may leave unreleased and return (``ReleaseLedger``):
 # messages of up to a few MiB (one image's embedding) then cost no completion poll. Kept after
-# measuring (README, Transfers): watching every send cost a 1 MiB message ~40 % more Python
+# measuring (tools/bench_transfer.py): watching every send cost a 1 MiB message ~40 % more Python
 # calls and ~15 % more time (interleaved, loaded 2 cores); from 16 MiB up every send is watched
 # anyway. 8 MiB lets two 1-4 MiB messages per destination be in flight; a stuck receiver
 # still makes sends wait and time out once its socket holds that much.

@@ -34,7 +34,6 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 POD_IP = "10.42.0.7"  # what status.podIP would give
-PENDING_FACES = ("--api=vllm",)  # a face this tree does not serve yet
 
 
 def documents() -> Iterator[tuple[str, int, dict[str, Any]]]:
@@ -116,15 +115,8 @@ def ports(container: dict[str, Any]) -> dict[str, int]:
     return {p["name"]: p["containerPort"] for p in container["ports"]}
 
 
-def pending(container: dict[str, Any]) -> bool:
-    return any(arg in container["args"] for arg in PENDING_FACES)
-
-
-CONTAINERS = [pytest.param(
-    name, pod, container, id=f"{name}/{container['name']}",
-    marks=[pytest.mark.xfail(strict=True, reason="--api vllm and --ec-transfer-config come with "
-                                                 "the vLLM face")] if pending(container) else [])
-    for name, pod, container in epd_containers()]
+CONTAINERS = [pytest.param(name, pod, container, id=f"{name}/{container['name']}")
+              for name, pod, container in epd_containers()]
 
 
 @pytest.mark.parametrize(("name", "pod", "container"), CONTAINERS)
@@ -205,3 +197,20 @@ def test_the_image_recipe_has_both_variants_and_runs_epd_trio() -> None:
     copied = re.findall(r"^COPY (.+) /src/", recipe, re.MULTILINE)
     assert all((ROOT / path).exists() for line in copied for path in line.split())
 
+
+
+def test_the_vllm_encoder_names_items_as_its_consumer_does() -> None:
+    """vLLM's mm_hash takes the consumer's --model string: the encoder beside it must use the
+    same (--vllm-model, default --model-path as given), and share its EC directory."""
+    (deployment,) = [d for d in of_kind("Deployment") if d["metadata"]["name"] == "vllm-epd"]
+    containers = {c["name"]: c for c in deployment["spec"]["template"]["spec"]["containers"]}
+    config = parsed(containers["encoder"])
+    assert isinstance(config, EncoderConfig) and config.api == "vllm"
+    consumer_model = containers["vllm"]["command"][2]
+    assert (config.vllm_model or config.engine.model_path) == consumer_model
+    shared = {c: {m["mountPath"] for m in containers[c]["volumeMounts"] if m["name"] == "ec-cache"}
+              for c in ("encoder", "vllm")}
+    assert shared["encoder"] == shared["vllm"] == {"/ec-cache"}
+    for name in ("encoder", "vllm"):
+        (flag,) = [a for a in containers[name]["args"] if a.startswith("--ec-transfer-config=")]
+        assert '"shared_storage_path":"/ec-cache"' in flag

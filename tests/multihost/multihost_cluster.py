@@ -30,9 +30,11 @@ START = 240.0  # seconds a process may take to come up on a busy 2-core machine
 
 
 def recipe(name: str) -> str:
-    """The fenced code block after ``<!-- recipe: name -->`` in the deployment page."""
+    """The fenced code block after ``<!-- recipe: name -->`` (and the docs test's own marker,
+    if any) in the deployment page."""
     page = DEPLOYMENT_PAGE.read_text()
-    found = re.search(rf"<!-- recipe: {re.escape(name)} -->\s*```[a-z]*\n(.*?)```", page, re.DOTALL)
+    found = re.search(rf"<!-- recipe: {re.escape(name)} -->\s*(?:<!-- test:[^\n]*-->\s*)?"
+                      rf"```[a-z]*\n(.*?)```", page, re.DOTALL)
     assert found is not None, f"docs/deployment.md has no block marked 'recipe: {name}'"
     return found.group(1)
 
