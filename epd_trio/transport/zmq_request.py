@@ -25,10 +25,10 @@ import msgspec
 import trio
 import zmq
 
-from epd_trio.errors import ProtocolError, RequestError, TransferTimeout
+from epd_trio.errors import ProtocolError, TransferTimeout
 from epd_trio.protocol.requests import validate_endpoint
 from epd_trio.transport._zmq_socket import TrioSocket
-from epd_trio.transport.zmq import terminate
+from epd_trio.transport.zmq import connect, terminate
 
 __all__ = ["RequestSockets", "RequestStatistics"]
 
@@ -119,20 +119,9 @@ class RequestSockets:
             if not idle:
                 del self._idle[endpoint]
         else:
-            sock = self._connect(self._ctx, validate_endpoint(endpoint))
+            sock = TrioSocket(connect(self._ctx, zmq.REQ, self._options, validate_endpoint(endpoint)))
         self._busy.add(sock)
         return sock
-
-    def _connect(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> TrioSocket:
-        sock = ctx.socket(zmq.REQ)
-        try:
-            for option, value in self._options.items():
-                sock.setsockopt(option, value)
-            sock.connect(endpoint)
-        except zmq.ZMQError as exc:
-            sock.close(linger=0)
-            raise RequestError(f"cannot connect to {endpoint}: {exc}") from None
-        return TrioSocket(sock)
 
     def _checkin(self, endpoint: str, sock: TrioSocket) -> None:
         self._idle.setdefault(endpoint, []).append(sock)

@@ -106,6 +106,12 @@ async def _whole_again(consumer: EcConsumer) -> dict[str, Any]:
     return stats
 
 
+async def _given_back(consumer: EcConsumer, transfer_id: str, before: dict[str, Any]) -> None:
+    """The transfer ended cancelled on the consumer, and its memory is free again."""
+    after = await _whole_again(consumer)
+    assert after["states"][transfer_id] == "CANCELLED" and after["free_bytes"] == before["free_bytes"]
+
+
 async def test_vllm_loads_our_embeddings_deepstack_width_and_a_repeated_item_once(
         checkpoints: dict[str, str], consumer: EcConsumer, tmp_path: Path) -> None:
     model = checkpoints["qwen3_vl"]
@@ -205,8 +211,7 @@ async def test_a_transfer_the_consumer_cancelled_first_is_not_pushed(
     assert response.status_code == 200, response.text  # as vLLM's producer: the consumer gave it up
     assert server.service.deliveries.mooncake.statistics().writes == 0
     assert (control.pushes, control.failed_pushes, control.abandoned) == (1, 0, 0)
-    after = await _whole_again(consumer)
-    assert after["states"]["early-0"] == "CANCELLED" and after["free_bytes"] == before["free_bytes"]
+    await _given_back(consumer, "early-0", before)
 
 
 async def test_a_transfer_cancelled_while_it_is_written_is_completed_and_freed(
@@ -227,30 +232,34 @@ async def test_a_transfer_cancelled_while_it_is_written_is_completed_and_freed(
         writes = server.service.deliveries.mooncake.statistics().writes
     assert response.status_code == 200, response.text
     assert writes == 1 and control.statistics().abandoned == 0
-    after = await _whole_again(consumer)
-    assert after["states"]["mid-0"] == "CANCELLED" and after["free_bytes"] == before["free_bytes"]
+    await _given_back(consumer, "mid-0", before)
+
+
+def _misdirected(server: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The encoder's control plane, its reservations pointing where nobody registered memory."""
+    control = server.service.deliveries.vllm_control
+    reserve = control.reserve
+
+    async def reserve_elsewhere(shard: str, items: Any) -> Any:
+        return [dataclasses.replace(r, address=r.address + (1 << 44)) if isinstance(r, Reservation) else r
+                for r in await reserve(shard, items)]
+
+    monkeypatch.setattr(control, "reserve", reserve_elsewhere)
+    return control
 
 
 async def test_a_failed_write_is_a_502_and_its_reservation_is_given_back(
         qwen25_path: str, consumer: EcConsumer, monkeypatch: pytest.MonkeyPatch) -> None:
     before = await _whole_again(consumer)
     async with await _encoder(qwen25_path) as server:
-        control = server.service.deliveries.vllm_control
-        reserve = control.reserve
-
-        async def reserve_elsewhere(shard: str, items: Any) -> Any:  # a destination nobody registered
-            return [dataclasses.replace(r, address=r.address + (1 << 44)) if isinstance(r, Reservation) else r
-                    for r in await reserve(shard, items)]
-
-        monkeypatch.setattr(control, "reserve", reserve_elsewhere)
+        control = _misdirected(server, monkeypatch)
         response = await _post(server, _body([_image(6)[1]], consumer.control, ["bad-0"]), "bad")
         await _released(server.service)
         stats = control.statistics()
     assert response.status_code == 502, response.text
     assert "mooncake write" in response.json()["error"]["message"]
     assert (stats.failed_pushes, stats.abandoned, stats.left_behind, stats.outstanding) == (1, 1, 0, 0)
-    after = await _whole_again(consumer)
-    assert after["states"]["bad-0"] == "CANCELLED" and after["free_bytes"] == before["free_bytes"]
+    await _given_back(consumer, "bad-0", before)
 
 
 async def test_a_reservation_a_stuck_write_may_still_land_in_is_left_to_the_consumer(
@@ -258,15 +267,8 @@ async def test_a_reservation_a_stuck_write_may_still_land_in_is_left_to_the_cons
     """Freeing it could let the bytes land in the next item the consumer puts there."""
     before = await _whole_again(consumer)
     async with await _encoder(qwen25_path) as server:
-        control, mooncake = server.service.deliveries.vllm_control, server.service.deliveries.mooncake
-        reserve = control.reserve
-
-        async def reserve_elsewhere(shard: str, items: Any) -> Any:
-            return [dataclasses.replace(r, address=r.address + (1 << 44)) if isinstance(r, Reservation) else r
-                    for r in await reserve(shard, items)]
-
-        monkeypatch.setattr(control, "reserve", reserve_elsewhere)
-        monkeypatch.setattr(mooncake, "in_use", lambda region: True)  # as after a write outlived its caller
+        control = _misdirected(server, monkeypatch)
+        monkeypatch.setattr(server.service.deliveries.mooncake, "in_use", lambda region: True)  # a stuck write
         response = await _post(server, _body([_image(9)[1]], consumer.control, ["stuck-0"]), "stuck")
         await _released(server.service)
         stats = control.statistics()
@@ -296,8 +298,7 @@ async def test_a_push_over_the_send_timeout_is_a_504_and_gives_back_what_it_wrot
     assert response.status_code == 504, response.text
     assert "took over 2 s" in response.json()["error"]["message"]
     assert (writes, stats.abandoned, stats.left_behind) == (1, 1, 0)
-    after = await _whole_again(consumer)
-    assert after["states"]["slow-0"] == "CANCELLED" and after["free_bytes"] == before["free_bytes"]
+    await _given_back(consumer, "slow-0", before)
 
 
 async def test_a_full_consumer_refuses_with_a_503_and_nothing_is_held(
