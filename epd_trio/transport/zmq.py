@@ -64,7 +64,7 @@ async def terminate(ctx: zmq.Context[zmq.Socket[bytes]], linger_ms: int) -> None
         logger.warning("a ZMQ context still had unsent messages %g s after closing: left to "
                        "finish alone", bound)
 
-def connect(ctx: zmq.Context[zmq.Socket[bytes]], kind: int, options: Mapping[int, int],
+def connect(ctx: zmq.Context[zmq.Socket[bytes]], kind: int, options: Mapping[zmq.SocketOption, int],
             endpoint: str) -> zmq.Socket[bytes]:
     """A new socket of ``kind`` with ``options``, connected to ``endpoint``; a ``RequestError``
     (the endpoint came with a request) when libzmq refuses it."""
