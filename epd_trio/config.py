@@ -58,8 +58,10 @@ _HTTP_SERVER_HELP = ("the HTTP server: builtin (epd_trio's lean HTTP/1.1 server 
                      "(Hypercorn's trio worker)")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREPROCESS_MODES = ("thread", "process")
-EC_CONNECTORS = ("ECExampleConnector",)  # the vLLM EC connectors an encoder writes for
+EC_CONNECTORS = ("ECExampleConnector", "ECMooncakeConnector")  # the vLLM EC connectors served
 EC_STORAGE_DEFAULT = "/tmp"  # vLLM's ECExampleConnector default shared_storage_path
+EC_MOONCAKE_PROTOCOL = "rdma"  # vLLM's ECMooncakeConnector default mooncake_protocol
+EC_CONTROL_TIMEOUT = 30.0  # vLLM's ECMooncakeConnector default control_timeout_s
 MM_HASH_ALGORITHMS = ("blake3", "sha256", "sha512")  # vLLM's --mm-hasher-algorithm
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _LOG_METAVAR = "{" + ",".join(LOG_LEVELS) + "}"
@@ -228,8 +230,9 @@ class EncoderConfig:
                                        group="delivery")
     ec_transfer_config: str | None = _opt(
         None, "with --api vllm, vLLM's own --ec-transfer-config JSON for an encoder instance: "
-        "ec_connector ECExampleConnector, ec_role ec_producer, ec_connector_extra_config."
-        "shared_storage_path (default /tmp, as vLLM's)", group="delivery")
+        "ec_role ec_producer, and ec_connector ECExampleConnector (ec_connector_extra_config."
+        "shared_storage_path, default /tmp) or ECMooncakeConnector (mooncake_protocol, default "
+        "rdma; control_timeout_s, default 30), with vLLM's defaults", group="delivery")
     vllm_model: str | None = _opt(
         None, "with --api vllm, the vLLM language server's --model string exactly as it was given "
         "there: it enters every item's mm_hash, so it must equal the consumer's (default: "
@@ -331,18 +334,35 @@ class EncoderConfig:
             object.__setattr__(self, "advertise_url", _url(self.advertise_url, "advertise_url"))
 
     @property
-    def vllm_storage_path(self) -> str | None:
-        """With --api vllm, the shared-storage directory of its EC connector; else None."""
+    def vllm_ec(self) -> EcTransfer | None:
+        """With --api vllm, its parsed --ec-transfer-config; else None."""
         if self.api != "vllm" or self.ec_transfer_config is None:
             return None
-        return parse_ec_transfer_config(self.ec_transfer_config).storage_path
+        return parse_ec_transfer_config(self.ec_transfer_config)
+
+    @property
+    def vllm_storage_path(self) -> str | None:
+        """With --api vllm and ECExampleConnector, its shared-storage directory; else None."""
+        ec = self.vllm_ec
+        return ec.storage_path if ec is not None else None
 
     @property
     def uses_mooncake(self) -> bool:
-        """Whether this encoder opens a Mooncake transfer engine (either face may ask for one)."""
+        """Whether this encoder opens a Mooncake transfer engine (any face may ask for one)."""
         if self.api == "sglang":
             return self.encoder_transfer_backend == "mooncake"
+        ec = self.vllm_ec
+        if ec is not None:
+            return ec.mooncake_protocol is not None
         return self.transfer_backend == "mooncake"
+
+    @property
+    def effective_mooncake_protocol(self) -> str:
+        """The transfer engine's protocol: vLLM's JSON names it for ECMooncakeConnector."""
+        ec = self.vllm_ec
+        if ec is not None and ec.mooncake_protocol is not None:
+            return ec.mooncake_protocol
+        return self.mooncake_protocol
 
 
 @dataclass(frozen=True)
@@ -378,11 +398,17 @@ class BootstrapConfig:
 
 @dataclass(frozen=True)
 class EcTransfer:
-    """The parts of vLLM's ``--ec-transfer-config`` this encoder acts on."""
+    """The parts of vLLM's ``--ec-transfer-config`` this encoder acts on.
+
+    ECExampleConnector sets ``storage_path``; ECMooncakeConnector sets
+    ``mooncake_protocol`` and ``control_timeout`` (the other is None).
+    """
 
     connector: str
     role: str
-    storage_path: str
+    storage_path: str | None
+    mooncake_protocol: str | None = None
+    control_timeout: float | None = None
 
 
 def parse_ec_transfer_config(raw: str) -> EcTransfer:
@@ -400,11 +426,32 @@ def parse_ec_transfer_config(raw: str) -> EcTransfer:
     if role != "ec_producer":
         raise ValueError(f"ec_transfer_config: an encoder's ec_role is ec_producer, got {role!r}")
     extra = config.get("ec_connector_extra_config") or {}
-    path = extra.get("shared_storage_path", EC_STORAGE_DEFAULT) if isinstance(extra, dict) else None
+    if not isinstance(extra, dict):
+        raise ValueError("ec_transfer_config: ec_connector_extra_config must be a JSON object")
+    if connector == "ECMooncakeConnector":
+        return _mooncake_ec(connector, role, extra)
+    path = extra.get("shared_storage_path", EC_STORAGE_DEFAULT)
     if not isinstance(path, str) or not path:
         raise ValueError("ec_transfer_config: ec_connector_extra_config.shared_storage_path must be "
                          "a directory path")
     return EcTransfer(connector, role, path)
+
+
+def _mooncake_ec(connector: str, role: str, extra: dict[str, Any]) -> EcTransfer:
+    """ECMooncakeConnector's producer settings, with vLLM's defaults and checks."""
+    protocol = extra.get("mooncake_protocol", EC_MOONCAKE_PROTOCOL)
+    if protocol not in MOONCAKE_PROTOCOLS:  # the transports --mooncake-protocol takes too
+        raise ValueError("ec_transfer_config: ec_connector_extra_config.mooncake_protocol must be "
+                         f"one of {', '.join(MOONCAKE_PROTOCOLS)}, got {protocol!r}")
+    timeout = extra.get("control_timeout_s", EC_CONTROL_TIMEOUT)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+            not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError("ec_transfer_config: ec_connector_extra_config.control_timeout_s must be a "
+                         f"number > 0, got {timeout!r}")
+    if extra.get("cross_encoder_cache", False) is not False:
+        raise ValueError("ec_transfer_config: cross_encoder_cache (vLLM's Mooncake Store) is not "
+                         "supported by this encoder")
+    return EcTransfer(connector, role, None, protocol, float(timeout))
 
 
 def _check_vllm(config: EncoderConfig) -> None:

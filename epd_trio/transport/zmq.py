@@ -64,6 +64,21 @@ async def terminate(ctx: zmq.Context[zmq.Socket[bytes]], linger_ms: int) -> None
         logger.warning("a ZMQ context still had unsent messages %g s after closing: left to "
                        "finish alone", bound)
 
+def connect(ctx: zmq.Context[zmq.Socket[bytes]], kind: int, options: Mapping[zmq.SocketOption, int],
+            endpoint: str) -> zmq.Socket[bytes]:
+    """A new socket of ``kind`` with ``options``, connected to ``endpoint``; a ``RequestError``
+    (the endpoint came with a request) when libzmq refuses it."""
+    sock = ctx.socket(kind)
+    try:
+        for option, value in options.items():
+            sock.setsockopt(option, value)
+        sock.connect(endpoint)
+    except zmq.ZMQError as exc:
+        sock.close(linger=0)
+        raise RequestError(f"cannot connect to {endpoint}: {exc}") from None
+    return sock
+
+
 def expired_endpoints(last_used: Mapping[str, float], now: float, idle_close: float) -> list[str]:
     """Idle sockets whose time is up (pure: the caller supplies ``now``)."""
     return [ep for ep, t in last_used.items() if now - t >= idle_close]
@@ -191,15 +206,7 @@ class PushSocketCache:
         return entry
 
     def _connect(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> TrioSocket:
-        sock = ctx.socket(zmq.PUSH)
-        try:
-            for option, value in self._options.items():
-                sock.setsockopt(option, value)
-            sock.connect(endpoint)
-        except zmq.ZMQError as exc:
-            sock.close(linger=0)
-            raise RequestError(f"cannot connect to {endpoint}: {exc}") from None
-        return TrioSocket(sock, release_budget=self._release_budget)
+        return TrioSocket(connect(ctx, zmq.PUSH, self._options, endpoint), release_budget=self._release_budget)
 
     def _evict_for_one_more(self) -> None:
         """Close least-recently-used idle sockets; busy ones (sending, or with messages
