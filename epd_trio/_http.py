@@ -208,22 +208,24 @@ def json_error(exc: BaseException, req_id: str | None = None) -> Response:
     return as_response(error_reply(exc, req_id))
 
 
-def install_error_handlers(app: QuartTrio, what: str) -> None:
-    """Ours, Quart's (404, 405, 413) and bugs, all as JSON errors."""
+def install_error_handlers(app: QuartTrio, what: str,
+                           respond: Callable[[BaseException], Response] | None = None) -> None:
+    """Ours, Quart's (404, 405, 413) and bugs, all as JSON errors: the native shape, or the
+    face's own (``respond``)."""
 
     @app.errorhandler(EPDError)
     async def epd_error(exc: EPDError) -> Response:
-        return json_error(exc)
+        return respond(exc) if respond is not None else json_error(exc)
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
         # A 413 body was refused unread: http_exception_reply closes the connection.
-        return as_response(http_exception_reply(exc))
+        return respond(exc) if respond is not None else as_response(http_exception_reply(exc))
 
     @app.errorhandler(Exception)
     async def bug(exc: Exception) -> Response:
         log.exception("unhandled error in a %s handler", what)
-        return json_error(exc)
+        return respond(exc) if respond is not None else json_error(exc)
 
 
 # Seconds a shielded send may take. One that waits longer waits for something that may never

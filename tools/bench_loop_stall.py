@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import sys
@@ -44,7 +45,9 @@ from typing import Any
 
 import trio
 
-from epd_trio.config import HTTP_SERVERS
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_results  # noqa: E402  (tools/: the results file the docs are built from)
+from epd_trio.config import HTTP_SERVERS  # noqa: E402
 
 # torch and the delivery load only for the inline section: the HTTP section's client process
 # (this file, ``--client``) starts in a fraction of the time without them.
@@ -91,12 +94,17 @@ async def inline_section(mib: int, repeat: int) -> None:
     for _ in range(repeat):
         for mode, threshold in modes.items():  # taking turns: load drift hits both alike
             results[mode].append(await one_build(embedding, threshold))
-    print(f"inline answer of {mib} MiB (float32 [{embedding.shape[0]}, 1024]), {repeat} runs each")
+    title = f"inline answer of {mib} MiB (float32 [{embedding.shape[0]}, 1024]), {repeat} runs each"
+    print(title)
     print(f"{'build':<10}{'stall median ms':>17}{'stall max ms':>14}{'build median ms':>17}")
+    rows = []
     for mode, runs in results.items():
         stalls, builds = [s for s, _ in runs], [b for _, b in runs]
         print(f"{mode:<10}{statistics.median(stalls) * 1e3:>17.1f}{max(stalls) * 1e3:>14.1f}"
               f"{statistics.median(builds) * 1e3:>17.1f}")
+        rows.append([mode, f"{statistics.median(stalls) * 1e3:.1f}", f"{max(stalls) * 1e3:.1f}",
+                     f"{statistics.median(builds) * 1e3:.1f}"])
+    bench_results.record(title, ["build", "stall median ms", "stall max ms", "build median ms"], rows)
 
 
 # ---- 2. a client streaming tiny chunks ----------------------------------------------------------
@@ -202,16 +210,22 @@ async def http_section(servers: list[str], chunks: int, probes: int, repeat: int
     for _ in range(repeat):
         for server in servers:  # taking turns: load drift hits both alike
             runs[server].append(await one_stream(server, chunks, probes))
-    print(f"\nother requests while one client streams {chunks} one-byte chunks "
-          f"(GET latency in ms; {repeat} run(s) per server, taking turns)")
-    print(f"{'server':<11}{'idle p50':>9}{'idle p99':>9}{'stream p50':>11}{'stream p99':>11}"
-          f"{'stream max':>11}{'GETs':>6}{'chunks/s':>10}")
+    title = (f"other requests while one client streams {chunks} one-byte chunks "
+             f"(GET latency in ms; {repeat} run(s) per server, taking turns)")
+    header = ["server", "idle p50", "idle p99", "stream p50", "stream p99", "stream max", "GETs", "chunks/s"]
+    print(f"\n{title}")
+    print(f"{header[0]:<11}{header[1]:>9}{header[2]:>9}" + "".join(f"{h:>11}" for h in header[3:6])
+          + f"{header[6]:>6}{header[7]:>10}")
+    rows = []
     for server, results in runs.items():
         idle = [t for r in results for t in r["idle"]]
         loaded = [t for r in results for t in r["loaded"]]
         rate = statistics.median(chunks / r["stream_seconds"] for r in results)
-        print(f"{server:<11}{_ms(idle, 0.5):>9.2f}{_ms(idle, 0.99):>9.2f}{_ms(loaded, 0.5):>11.2f}"
-              f"{_ms(loaded, 0.99):>11.2f}{max(loaded) * 1e3:>11.2f}{len(loaded):>6}{rate:>10.0f}")
+        row = [server, *(f"{v:.2f}" for v in (_ms(idle, 0.5), _ms(idle, 0.99), _ms(loaded, 0.5),
+                                             _ms(loaded, 0.99), max(loaded) * 1e3)), str(len(loaded)), f"{rate:.0f}"]
+        print(f"{row[0]:<11}{row[1]:>9}{row[2]:>9}{row[3]:>11}{row[4]:>11}{row[5]:>11}{row[6]:>6}{row[7]:>10}")
+        rows.append(row)
+    bench_results.record(title, header, rows)
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -232,6 +246,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--http-repeat", type=int, default=3, help="http: streams per server")
     parser.add_argument("--quick", action="store_true", help="~1 min on 2 cores: smaller everything")
     parser.add_argument("--client", type=int, help=argparse.SUPPRESS)  # the child process: its port
+    bench_results.add_argument(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.mib, args.repeat, args.chunks, args.probes, args.http_repeat = 16, 3, 50_000, 50, 1
@@ -243,4 +258,5 @@ if __name__ == "__main__":
     if options.client is not None:
         client(options.client, options.chunks, options.probes)
     else:
-        trio.run(main, options)
+        with bench_results.recording("bench_loop_stall", options.results):
+            trio.run(main, options)

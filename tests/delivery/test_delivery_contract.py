@@ -15,6 +15,7 @@ from epd_trio.delivery.zmq import ZmqDelivery
 from epd_trio.errors import EPDError, PeerUnavailable, RequestError, TransferTimeout, TransportError
 from epd_trio.protocol.requests import BACKENDS, EncodeMeta, parse_encode_request
 from epd_trio.protocol.sglang_requests import DELIVERIES as SGLANG_DELIVERIES
+from epd_trio.protocol.vllm_requests import DELIVERIES as VLLM_DELIVERIES
 from epd_trio.transport.zmq import PushSocketCache
 
 
@@ -23,7 +24,7 @@ def request(deliver: dict[str, Any]) -> Any:
 
 
 def test_every_backend_the_protocols_accept_has_one_registered_delivery() -> None:
-    assert set(FACTORIES) == set(BACKENDS) | set(SGLANG_DELIVERIES)
+    assert set(FACTORIES) == set(BACKENDS) | set(SGLANG_DELIVERIES) | set(VLLM_DELIVERIES)
 
 
 async def test_each_delivery_meets_the_contract() -> None:
