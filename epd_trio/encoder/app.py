@@ -171,7 +171,8 @@ def add_shared_routes(app: QuartTrio, service: EncoderService) -> None:
     @app.post("/abort")
     async def abort() -> Response:
         req = parse_abort_request(await _body(service.deliveries.threads))
-        return json_response({"req_id": req.req_id, "aborted": await service.abort(req.req_id, req.part_idx)})
+        result = await service.abort(req.req_id, req.part_idx)
+        return json_response({"req_id": req.req_id, "aborted": result.aborted, "released": result.released})
 
     @app.get("/model_info")
     async def model_info() -> Response:
