@@ -1,4 +1,5 @@
-"""HTTP plumbing shared by the encoder and the registry (quart-trio on Hypercorn).
+"""HTTP plumbing shared by the encoder and the registry (quart-trio apps, served by the
+built-in HTTP server or by Hypercorn).
 
 One JSON response helper, one set of error handlers (every error leaves in the
 protocol's JSON shape with its status from ``epd_trio.errors.http_status``;
@@ -17,8 +18,7 @@ import msgspec
 import trio
 from quart import Response
 from quart_trio import QuartTrio
-from quart_trio.wrappers.request import TrioBody, TrioRequest
-from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
+from werkzeug.exceptions import HTTPException
 
 from epd_trio._http11 import CLOSES_AFTER_APP
 from epd_trio.errors import EPDError, HeadersTooLargeError, PayloadTooLargeError, UnauthorizedError, error_body, http_status
@@ -27,8 +27,6 @@ from epd_trio.protocol.requests import parse_json_body
 __all__ = [
     "OFFLOAD_BODY_BYTES",
     "BearerAuth",
-    "JoinedBody",
-    "JoinedBodyRequest",
     "Reply",
     "as_response",
     "check_head_size",
@@ -58,10 +56,6 @@ class BearerAuth:
     def __init__(self, token: str | None) -> None:
         self._expected = f"Bearer {token}".encode() if token else None
 
-    @property
-    def enabled(self) -> bool:
-        return self._expected is not None
-
     def check(self, header: str | None, what: str) -> None:
         if self._expected is None:
             return
@@ -81,65 +75,6 @@ async def parse_json_off_loop(raw: bytes, threads: trio.CapacityLimiter,
     if len(raw) < OFFLOAD_BODY_BYTES:
         return parse(raw)
     return await trio.to_thread.run_sync(parse, raw, limiter=threads)
-
-
-class JoinedBody(TrioBody):
-    """quart-trio's request body, with its chunks kept apart and joined once, when awaited.
-
-    Quart grows one ``bytearray`` chunk by chunk (Hypercorn hands over 64 KiB at a
-    time), re-copying a body of a few MB many times over on the event loop; a list
-    joined once copies it once. Limits, iteration and errors are Quart's.
-    """
-
-    def __init__(self, expected_content_length: int | None, max_content_length: int | None) -> None:
-        super().__init__(expected_content_length, max_content_length)
-        self._chunks: list[bytes] = []
-        self._size = 0
-
-    def append(self, data: bytes) -> None:
-        if not data or self._must_raise is not None:
-            return
-        self._chunks.append(data if type(data) is bytes else bytes(data))
-        self._size += len(data)
-        self._has_data.set()
-        if self._max_content_length is not None and self._size > self._max_content_length:
-            self._must_raise = RequestEntityTooLarge()
-            self.set_complete()
-
-    def _joined(self) -> bytes:
-        data = b"".join(self._chunks)
-        self._chunks = [data] if data else []
-        return data
-
-    async def __anext__(self) -> bytes:
-        if self._must_raise is not None:
-            raise self._must_raise
-        if not self._complete.is_set():
-            await self._has_data.wait()
-        if self._complete.is_set() and not self._chunks:
-            raise StopAsyncIteration()
-        data = self._joined()
-        self.clear()
-        self._has_data.clear()
-        return data
-
-    def __await__(self) -> Any:
-        if self._must_raise is not None:
-            raise self._must_raise
-        yield from self._complete.wait().__await__()
-        if self._must_raise is not None:
-            raise self._must_raise
-        return self._joined()
-
-    def clear(self) -> None:
-        self._chunks = []
-        self._size = 0
-
-
-class JoinedBodyRequest(TrioRequest):
-    """The faces' request class: ``JoinedBody`` bodies."""
-
-    body_class = JoinedBody
 
 
 @dataclass(frozen=True, slots=True)

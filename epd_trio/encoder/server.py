@@ -1,13 +1,13 @@
-"""Serving the encoder over HTTP with Hypercorn's trio worker.
+"""Serving the encoder over HTTP (the built-in server by default, or Hypercorn: ``--http-server``).
 
 ``serve_encoder(config)`` is an ``async with`` block: the engine, the service
-and the HTTP server live exactly as long as it. Once Hypercorn is bound (so the
+and the HTTP server live exactly as long as it. Once the HTTP server is bound (so the
 advertised URL is real) the encoder registers with each ``register_url``
 registry and keeps re-announcing itself. With ``grpc_port`` a gRPC server
 (``encoder.grpc_server``) serves the same service beside HTTP. Leaving the block shuts down in the
 order that loses nothing: unregister (so registries stop routing new work
 here), stop admitting (503) and let live requests finish within
-``drain_timeout`` while HTTP (and gRPC) still answers, then stop Hypercorn and gRPC, then cancel
+``drain_timeout`` while HTTP (and gRPC) still answers, then stop the HTTP server and gRPC, then cancel
 what is left, then unload the engine.
 """
 
@@ -47,14 +47,14 @@ FACES: Final[Mapping[str, Callable[[EncoderService], ASGIApp]]] = MappingProxyTy
     "sglang": create_sglang_app,
 })
 
-# Requests have drained before Hypercorn is told to stop; what remains are idle
+# Requests have drained before the HTTP server is told to stop; what remains are idle
 # keep-alive connections, which need no long grace.
 _HTTP_GRACE = 2.0
 
 
 @dataclass(frozen=True)
 class EncoderServer:
-    url: str  # where Hypercorn is bound
+    url: str  # where the HTTP server is bound
     service: EncoderService
     advertise_url: str  # what registries are told (``--advertise-url``, or derived from ``url``)
     registration: Registration | None = None  # None without ``register_url``
