@@ -18,7 +18,8 @@ import msgspec
 import trio
 from quart import Response
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException
+from quart_trio.wrappers.request import TrioBody, TrioRequest
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from epd_trio._http11 import CLOSES_AFTER_APP
 from epd_trio.errors import EPDError, HeadersTooLargeError, PayloadTooLargeError, UnauthorizedError, error_body, http_status
@@ -27,6 +28,8 @@ from epd_trio.protocol.requests import parse_json_body
 __all__ = [
     "OFFLOAD_BODY_BYTES",
     "BearerAuth",
+    "JoinedBody",
+    "JoinedBodyRequest",
     "Reply",
     "as_response",
     "check_head_size",
@@ -75,6 +78,66 @@ async def parse_json_off_loop(raw: bytes, threads: trio.CapacityLimiter,
     if len(raw) < OFFLOAD_BODY_BYTES:
         return parse(raw)
     return await trio.to_thread.run_sync(parse, raw, limiter=threads)
+
+
+class JoinedBody(TrioBody):
+    """quart-trio's request body, with its chunks kept apart and joined once, when awaited.
+
+    Quart grows one ``bytearray`` chunk by chunk (Hypercorn hands over 64 KiB at a
+    time), re-copying a body of a few MB many times over on the event loop; a list
+    joined once copies it once. Limits, iteration and errors are Quart's.
+    """
+
+    def __init__(self, expected_content_length: int | None, max_content_length: int | None) -> None:
+        super().__init__(expected_content_length, max_content_length)
+        self._chunks: list[bytes] = []
+        self._size = 0
+
+    def append(self, data: bytes) -> None:
+        if not data or self._must_raise is not None:
+            return
+        self._chunks.append(data if type(data) is bytes else bytes(data))
+        self._size += len(data)
+        self._has_data.set()
+        if self._max_content_length is not None and self._size > self._max_content_length:
+            self._must_raise = RequestEntityTooLarge()
+            self.set_complete()
+
+    def _joined(self) -> bytes:
+        data = b"".join(self._chunks)
+        self._chunks = [data] if data else []
+        return data
+
+    async def __anext__(self) -> bytes:
+        if self._must_raise is not None:
+            raise self._must_raise
+        if not self._complete.is_set():
+            await self._has_data.wait()
+        if self._complete.is_set() and not self._chunks:
+            raise StopAsyncIteration()
+        data = self._joined()
+        self.clear()
+        self._has_data.clear()
+        return data
+
+    def __await__(self) -> Any:
+        if self._must_raise is not None:
+            raise self._must_raise
+        yield from self._complete.wait().__await__()
+        if self._must_raise is not None:
+            raise self._must_raise
+        return self._joined()
+
+    def clear(self) -> None:
+        self._chunks = []
+        self._size = 0
+
+
+class JoinedBodyRequest(TrioRequest):
+    """The request class of a face whose large bodies reach Quart (the vLLM face's chat
+    route; the other faces serve their data path in front of Quart): ``JoinedBody`` bodies."""
+
+    body_class = JoinedBody
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,22 +205,24 @@ def json_error(exc: BaseException, req_id: str | None = None) -> Response:
     return as_response(error_reply(exc, req_id))
 
 
-def install_error_handlers(app: QuartTrio, what: str) -> None:
-    """Ours, Quart's (404, 405, 413) and bugs, all as JSON errors."""
+def install_error_handlers(app: QuartTrio, what: str,
+                           respond: Callable[[BaseException], Response] | None = None) -> None:
+    """Ours, Quart's (404, 405, 413) and bugs, all as JSON errors: the native shape, or the
+    face's own (``respond``)."""
 
     @app.errorhandler(EPDError)
     async def epd_error(exc: EPDError) -> Response:
-        return json_error(exc)
+        return respond(exc) if respond is not None else json_error(exc)
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
         # A 413 body was refused unread: http_exception_reply closes the connection.
-        return as_response(http_exception_reply(exc))
+        return respond(exc) if respond is not None else as_response(http_exception_reply(exc))
 
     @app.errorhandler(Exception)
     async def bug(exc: Exception) -> Response:
         log.exception("unhandled error in a %s handler", what)
-        return json_error(exc)
+        return respond(exc) if respond is not None else json_error(exc)
 
 
 def shielded_send(send: Callable[[dict[str, Any]], Awaitable[None]]) -> Callable[[dict[str, Any]], Awaitable[None]]:

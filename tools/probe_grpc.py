@@ -1,4 +1,4 @@
-"""Probe: the candidate ways to serve gRPC from a trio program, side by side (issue 16, item 4).
+"""Probe: the candidate ways to serve gRPC from a trio program, side by side.
 
 grpcio's servers are asyncio- or thread-based and purerpc (trio-native) is unmaintained, so
 before building the gRPC face we measure each way of reaching a **trio** service function from a

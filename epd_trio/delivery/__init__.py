@@ -28,6 +28,7 @@ from epd_trio.delivery.mooncake import MooncakeDelivery
 from epd_trio.delivery.sglang_mooncake import SGLangMooncakeDelivery
 from epd_trio.delivery.sglang_rendezvous import Rendezvous
 from epd_trio.delivery.sglang_zmq import SGLangZmqDelivery
+from epd_trio.delivery.vllm_storage import VllmStorageDelivery
 from epd_trio.delivery.zmq import ZmqDelivery
 from epd_trio.config import EncoderConfig
 from epd_trio.errors import RequestError
@@ -47,6 +48,7 @@ __all__ = [
     "Rendezvous",
     "SGLangMooncakeDelivery",
     "SGLangZmqDelivery",
+    "VllmStorageDelivery",
     "ZmqDelivery",
     "build_delivery",
     "map_exceptions",
@@ -62,6 +64,7 @@ FACTORIES: Mapping[str, DeliveryFactory] = MappingProxyType({
     "mooncake": MooncakeDelivery.for_request,
     "sglang_zmq": SGLangZmqDelivery.for_request,
     "sglang_mooncake": SGLangMooncakeDelivery.for_request,
+    "vllm_storage": VllmStorageDelivery.for_request,
 })
 
 
@@ -81,7 +84,8 @@ async def open_deliveries(config: EncoderConfig) -> AsyncIterator[DeliveryContex
                                sndhwm=config.zmq_sndhwm) as zmq, \
             _maybe_mooncake(config) as mooncake:
         yield DeliveryContext(zmq, mooncake, config.send_timeout, trio.CapacityLimiter(DELIVERY_THREADS),
-                              Rendezvous(max_early=config.sglang_max_early_calls))
+                              Rendezvous(max_early=config.sglang_max_early_calls),
+                              vllm_storage=config.vllm_storage_path)
 
 
 @asynccontextmanager

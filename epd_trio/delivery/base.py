@@ -122,6 +122,8 @@ class DeliveryContext:
     threads: trio.CapacityLimiter  # inline bodies built off the event loop
     # SGLang's destinations and sizes, which may come before their /encode.
     rendezvous: Rendezvous = dataclasses.field(default_factory=Rendezvous)
+    # vLLM's shared-storage directory (ECExampleConnector's shared_storage_path); None: no vLLM face.
+    vllm_storage: str | None = None
 
     def statistics(self) -> dict[str, Any]:
         """Each transport's statistics by name, for ``/stats`` (None: not opened)."""

@@ -33,6 +33,7 @@ from epd_trio.encoder.app import create_app
 from epd_trio.encoder.asgi_route import ASGIApp
 from epd_trio.encoder.grpc_server import GrpcServer, open_grpc_server
 from epd_trio.encoder.sglang_app import create_sglang_app
+from epd_trio.encoder.vllm_app import create_vllm_app
 from epd_trio.encoder.service import EncoderService, open_encoder_service
 from epd_trio.engine import open_engine
 from epd_trio.errors import RequestError
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 FACES: Final[Mapping[str, Callable[[EncoderService], ASGIApp]]] = MappingProxyType({
     "native": create_app,
     "sglang": create_sglang_app,
+    "vllm": create_vllm_app,
 })
 
 # Requests have drained before the HTTP server is told to stop; what remains are idle

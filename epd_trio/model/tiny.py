@@ -17,7 +17,7 @@ from typing import Any
 
 from epd_trio.errors import ModelLoadError
 
-__all__ = ["TINY_ARCHES", "TinySpec", "make_tiny_model"]
+__all__ = ["TINY_ARCHES", "TinySpec", "make_tiny_model", "servable_spec"]
 
 TINY_MARKER = "epd_trio_tiny_random_weights"
 
@@ -56,10 +56,18 @@ class TinySpec:
     mel_bins: int = 128
     sampling_rate: int = 16000
     window_seconds: int = 30
+    # The language model's attention heads. A language server's kernels need
+    # a real head size (vLLM's CPU attention: 32 or more), so a checkpoint
+    # meant to be served uses fewer, wider heads (``servable_spec``).
+    text_heads: int = 4
+    text_kv_heads: int = 2
+    # Also write a tokenizer and a chat template (``epd_trio.model.tiny_text``),
+    # so that a language server can load and serve the checkpoint.
+    tokenizer: bool = False
 
 
 def _text_config(spec: TinySpec) -> dict[str, Any]:
-    heads = 4
+    heads = spec.text_heads
     head_dim = spec.out_hidden // heads
     half = head_dim // 2
     # mrope_section (temporal, height, width) must sum to half the text head size.
@@ -69,7 +77,7 @@ def _text_config(spec: TinySpec) -> dict[str, Any]:
         "intermediate_size": spec.text_intermediate,
         "num_hidden_layers": spec.text_layers,
         "num_attention_heads": heads,
-        "num_key_value_heads": 2,
+        "num_key_value_heads": spec.text_kv_heads,
         "vocab_size": spec.vocab_size,
         "max_position_embeddings": 4096,
         "bos_token_id": 0,
@@ -130,7 +138,8 @@ def _audio_config(spec: TinySpec) -> Any:
     text = {
         "model_type": "qwen2", "hidden_size": spec.out_hidden,
         "intermediate_size": spec.text_intermediate, "num_hidden_layers": spec.text_layers,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": spec.vocab_size,
+        "num_attention_heads": spec.text_heads, "num_key_value_heads": spec.text_kv_heads,
+        "vocab_size": spec.vocab_size,
         "max_position_embeddings": 4096, "bos_token_id": 0, "eos_token_id": 1,
         "pad_token_id": 2, **spec.extra_text,
     }
@@ -168,6 +177,16 @@ def _processors(spec: TinySpec) -> list[Any]:
 TINY_ARCHES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen2_audio")
 
 
+def servable_spec(arch: str = "qwen2_5_vl", **overrides: Any) -> TinySpec:
+    """A tiny spec a language server can serve: heads of 32 (vLLM's CPU attention
+    needs at least that; ``mrope_section`` then sums to 16), a tokenizer and a
+    chat template, a vocabulary that covers the tokenizer."""
+    dims: dict[str, Any] = dict(arch=arch, vision_hidden=64, vision_heads=2, out_hidden=64,
+                                text_heads=2, text_kv_heads=2, text_intermediate=128,
+                                vocab_size=272, tokenizer=True)
+    return TinySpec(**{**dims, **overrides})
+
+
 def make_tiny_model(directory: str | Path, spec: TinySpec | None = None) -> Path:
     """Write a tiny random-weight checkpoint of ``spec.arch`` into ``directory``."""
     import torch
@@ -188,8 +207,13 @@ def make_tiny_model(directory: str | Path, spec: TinySpec | None = None) -> Path
         else:
             model = transformers.AutoModelForImageTextToText.from_config(config, dtype=dtype)
     model.save_pretrained(out)
-    for processor in _processors(spec):
+    processors = _processors(spec)
+    for processor in processors:
         processor.save_pretrained(out)
+    if spec.tokenizer:
+        from epd_trio.model.tiny_text import save_text_side
+
+        save_text_side(out, spec, processors)
     (out / f"{TINY_MARKER}.json").write_text(
         json.dumps({"warning": "random weights, for tests and demos only", "spec": _jsonable(spec)})
     )

@@ -46,8 +46,8 @@ _TCP: Final = re.compile(rf"tcp://(\[[0-9A-Fa-f:.]+{ZMQ_ZONE}\]|[A-Za-z0-9._-]+)
 _IPC: Final = re.compile(r"ipc://([^\x00]+)")
 _MAX_IPC_PATH: Final = 107  # sun_path is 108 bytes with its NUL
 
-# The native body names the first three; the SGLang face builds the other two.
-Backend = Literal["inline", "zmq", "mooncake", "sglang_zmq", "sglang_mooncake"]
+# The native body names the first three; the SGLang and vLLM faces build the others.
+Backend = Literal["inline", "zmq", "mooncake", "sglang_zmq", "sglang_mooncake", "vllm_storage"]
 
 
 @dataclass(frozen=True)

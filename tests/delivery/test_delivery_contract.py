@@ -15,6 +15,7 @@ from epd_trio.delivery.zmq import ZmqDelivery
 from epd_trio.errors import EPDError, PeerUnavailable, RequestError, TransferTimeout, TransportError
 from epd_trio.protocol.requests import BACKENDS, EncodeMeta, parse_encode_request
 from epd_trio.protocol.sglang_requests import DELIVERIES as SGLANG_DELIVERIES
+from epd_trio.protocol.vllm_requests import DELIVERIES as VLLM_DELIVERIES
 from epd_trio.transport.zmq import PushSocketCache
 
 
@@ -23,7 +24,7 @@ def request(deliver: dict[str, Any]) -> Any:
 
 
 def test_every_backend_the_protocols_accept_has_one_registered_delivery() -> None:
-    assert set(FACTORIES) == set(BACKENDS) | set(SGLANG_DELIVERIES)
+    assert set(FACTORIES) == set(BACKENDS) | set(SGLANG_DELIVERIES) | set(VLLM_DELIVERIES)
 
 
 async def test_each_delivery_meets_the_contract() -> None:
@@ -90,3 +91,13 @@ def test_the_service_and_its_face_name_no_backend_and_the_face_no_transport() ->
     app = ast.parse((root / "encoder/app.py").read_text())
     modules = {n.module for n in ast.walk(app) if isinstance(n, ast.ImportFrom)}
     assert not {m for m in modules if m and m.startswith(("epd_trio.delivery", "zmq"))}, modules
+
+
+def test_every_registered_delivery_has_every_call_of_the_contract() -> None:
+    """``admitted``, ``sized``, ``deliver``, ``fail`` and ``aclose`` on each class a factory
+    builds (a protocol check at runtime sees only what was built, so look at all of them)."""
+    calls = ("admitted", "sized", "deliver", "fail", "aclose")
+    for name, factory in FACTORIES.items():
+        cls = factory.__self__  # type: ignore[attr-defined]  # the classmethod's class
+        missing = [call for call in calls if not callable(getattr(cls, call, None))]
+        assert not missing, f"{name}: {cls.__name__} lacks {missing}"
