@@ -54,8 +54,9 @@ async def test_mooncake_equals_inline_bit_for_bit(encoder: Any) -> None:
                                            "buffer_address": buf.data_ptr() + offset,
                                            "buffer_length": meta["nbytes"]})
         assert s.status_code == 200 and s.json()["nbytes"] == meta["nbytes"], s.text
-        landed = buf[offset:offset + meta["nbytes"]].view(torch.float32).view(meta["tokens"], meta["dim"])
-        assert torch.equal(landed, inline)
+        landed = buf[offset:offset + meta["nbytes"]]
+        assert torch.equal(landed, inline.contiguous().view(-1).view(torch.uint8))  # the bytes
+        assert not buf[:offset].any()  # and nowhere else
         with trio.fail_after(5):
             while (await stats(http))["live_requests"]:
                 await trio.sleep(0.01)
