@@ -233,8 +233,8 @@ async def test_a_child_that_never_finishes_is_ended_after_the_grace(
             leaving = trio.current_time()
     took = trio.current_time() - leaving
     assert 2 * grace <= took < 2 * grace + 10, took  # the terminate did nothing; the kill did
-    assert "still working 0.5 s after the pool closed: terminate" in caplog.text
-    assert "still working 0.5 s after the pool closed: kill" in caplog.text
+    assert "still running 0.5 s after the pool began to close: terminate" in caplog.text
+    assert "still running 0.5 s after the pool began to close: kill" in caplog.text
     assert children() <= before_children and segments() <= before_segments
     assert trio.current_time() - started < 60
 

@@ -317,8 +317,8 @@ class PreprocessPool:
                 if shut_down.is_set() or stop is None:
                     break
                 alive = [p for p in processes if p.is_alive()]
-                log.warning("%d preprocessing process(es) still working %g s after the pool "
-                            "closed: %s", len(alive), self.shutdown_grace, stop)
+                log.warning("%d preprocessing process(es) still running %g s after the pool "
+                            "began to close: %s", len(alive), self.shutdown_grace, stop)
                 for process in alive:
                     getattr(process, stop)()
             if not shut_down.is_set():
