@@ -2,8 +2,8 @@
 
 The service runs on a real engine (the tiny checkpoint) with its blocking work
 inline, so virtual time (``autojump_clock``) measures every bound exactly. The
-deliveries are the real ones the service builds, wrapped only where a test
-needs ``aclose`` to misbehave.
+deliveries are the real ones the service builds; one test request's ``aclose``
+is made to misbehave after the real one has run.
 """
 
 from __future__ import annotations
@@ -23,34 +23,10 @@ from epd_trio.delivery import Answer, Delivery
 from epd_trio.encoder.scope import CLOSE_TIMEOUT
 from epd_trio.encoder.service import EncoderService, open_encoder_service
 from epd_trio.engine import open_engine
-from epd_trio.protocol.requests import EncodeMeta, EncodeRequest, parse_encode_request
+from epd_trio.protocol.requests import EncodeRequest, parse_encode_request
 from epd_trio.testing import run_threads_inline
 
 DRAIN_TIMEOUT = 30.0
-
-
-class BadClose:
-    """The real delivery, with an ``aclose`` that does ``misbehave`` after closing it."""
-
-    def __init__(self, inner: Delivery, misbehave: Callable[[], Any]) -> None:
-        self.inner = inner
-        self._misbehave = misbehave
-
-    def admitted(self) -> None:
-        self.inner.admitted()
-
-    def sized(self, meta: EncodeMeta) -> Answer | None:
-        return self.inner.sized(meta)
-
-    async def deliver(self, embedding: Any, meta: EncodeMeta) -> Answer:
-        return await self.inner.deliver(embedding, meta)
-
-    async def fail(self, error: Any) -> None:
-        await self.inner.fail(error)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-        await self._misbehave()
 
 
 async def raise_key_error() -> None:
@@ -68,14 +44,21 @@ async def service_for(qwen25_path: str) -> AsyncIterator[EncoderService]:
 
 
 def misbehaving_for(service: EncoderService, req_id: str, misbehave: Callable[[], Any]) -> list[str]:
-    """The first request named ``req_id`` gets a ``BadClose``; the rest their own delivery."""
+    """The first request named ``req_id`` gets its own delivery, whose ``aclose`` does
+    ``misbehave`` after closing it; the rest are untouched."""
     build, wrapped = service.delivery_for, []
 
     def delivery_for(request: EncodeRequest) -> Delivery:
         delivery = build(request)
         if request.req_id == req_id and not wrapped:
             wrapped.append(req_id)
-            return BadClose(delivery, misbehave)  # type: ignore[return-value]
+            close = delivery.aclose
+
+            async def aclose() -> None:
+                await close()
+                await misbehave()
+
+            delivery.aclose = aclose  # type: ignore[method-assign]
         return delivery
 
     service.delivery_for = delivery_for
