@@ -116,8 +116,9 @@ async def test_a_duplicate_refused_with_409_leaves_how_an_earlier_part_ended(enc
             else:
                 heard = None
             install_faults(None, server.service.engine)
-            await http.post("/abort", json={"req_id": "dup_local_part_0"})
+            aborted = await http.post("/abort", json={"req_id": "dup_local_part_0"})
     assert heard == "the earlier part's image could not be decoded"
+    assert aborted.json() == {"req_id": "dup_local_part_0", "aborted": 1, "released": True}
 
 
 async def test_errors_are_answered_and_pushed_to_every_rank(
