@@ -58,8 +58,10 @@ _HTTP_SERVER_HELP = ("the HTTP server: builtin (epd_trio's lean HTTP/1.1 server 
                      "(Hypercorn's trio worker)")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREPROCESS_MODES = ("thread", "process")
-EC_CONNECTORS = ("ECExampleConnector",)  # the vLLM EC connectors an encoder writes for
+EC_CONNECTORS = ("ECExampleConnector", "ECMooncakeConnector")  # the vLLM EC connectors served
 EC_STORAGE_DEFAULT = "/tmp"  # vLLM's ECExampleConnector default shared_storage_path
+EC_MOONCAKE_PROTOCOL = "rdma"  # vLLM's ECMooncakeConnector default mooncake_protocol
+EC_CONTROL_TIMEOUT = 30.0  # vLLM's ECMooncakeConnector default control_timeout_s
 MM_HASH_ALGORITHMS = ("blake3", "sha256", "sha512")  # vLLM's --mm-hasher-algorithm
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _LOG_METAVAR = "{" + ",".join(LOG_LEVELS) + "}"
@@ -228,8 +230,9 @@ class EncoderConfig:
                                        group="delivery")
     ec_transfer_config: str | None = _opt(
         None, "with --api vllm, vLLM's own --ec-transfer-config JSON for an encoder instance: "
-        "ec_connector ECExampleConnector, ec_role ec_producer, ec_connector_extra_config."
-        "shared_storage_path (default /tmp, as vLLM's)", group="delivery")
+        "ec_role ec_producer, and ec_connector ECExampleConnector (ec_connector_extra_config."
+        "shared_storage_path, default /tmp) or ECMooncakeConnector (mooncake_protocol, default "
+        "rdma; control_timeout_s, default 30), with vLLM's defaults", group="delivery")
     vllm_model: str | None = _opt(
         None, "with --api vllm, the vLLM language server's --model string exactly as it was given "
         "there: it enters every item's mm_hash, so it must equal the consumer's (default: "
@@ -265,13 +268,16 @@ class EncoderConfig:
     mooncake_device: str = _opt("", "Mooncake RDMA device names (e.g. mlx5_0); empty for tcp",
                                 group="delivery")
     mooncake_host: str | None = _opt(None, "address Mooncake peers reach this encoder at "
-                                     "(default: --host, or 127.0.0.1 when that is 0.0.0.0 or ::)",
-                                     group="delivery")
+                                     "(default: --host, or when that is 0.0.0.0 or :: the "
+                                     "advertised URL's host)", group="delivery")
     register_url: tuple[str, ...] = _opt((), "bootstrap registry URL to register this encoder with",
                                          group="registry")
     advertise_url: str | None = _opt(None, "URL registries and clients reach this encoder at "
                                      "(default: the bound http://host:port; a wildcard host becomes "
-                                     "this machine's hostname)", group="registry")
+                                     "this host's address on the route to the first --register-url "
+                                     "registry on another host, else this machine's hostname; "
+                                     "loopback told to a registry on another host is refused at "
+                                     "start)", group="registry")
     heartbeat_interval: float = _opt(30.0, "seconds between re-announcements to each registry "
                                      "(a restarted registry is refilled within one)", group="registry")
     registry_auth_token: str | None = _opt(None, "bearer token for the registries' register and "
@@ -328,18 +334,35 @@ class EncoderConfig:
             object.__setattr__(self, "advertise_url", _url(self.advertise_url, "advertise_url"))
 
     @property
-    def vllm_storage_path(self) -> str | None:
-        """With --api vllm, the shared-storage directory of its EC connector; else None."""
+    def vllm_ec(self) -> EcTransfer | None:
+        """With --api vllm, its parsed --ec-transfer-config; else None."""
         if self.api != "vllm" or self.ec_transfer_config is None:
             return None
-        return parse_ec_transfer_config(self.ec_transfer_config).storage_path
+        return parse_ec_transfer_config(self.ec_transfer_config)
+
+    @property
+    def vllm_storage_path(self) -> str | None:
+        """With --api vllm and ECExampleConnector, its shared-storage directory; else None."""
+        ec = self.vllm_ec
+        return ec.storage_path if ec is not None else None
 
     @property
     def uses_mooncake(self) -> bool:
-        """Whether this encoder opens a Mooncake transfer engine (either face may ask for one)."""
+        """Whether this encoder opens a Mooncake transfer engine (any face may ask for one)."""
         if self.api == "sglang":
             return self.encoder_transfer_backend == "mooncake"
+        ec = self.vllm_ec
+        if ec is not None:
+            return ec.mooncake_protocol is not None
         return self.transfer_backend == "mooncake"
+
+    @property
+    def effective_mooncake_protocol(self) -> str:
+        """The transfer engine's protocol: vLLM's JSON names it for ECMooncakeConnector."""
+        ec = self.vllm_ec
+        if ec is not None and ec.mooncake_protocol is not None:
+            return ec.mooncake_protocol
+        return self.mooncake_protocol
 
 
 @dataclass(frozen=True)
@@ -375,11 +398,17 @@ class BootstrapConfig:
 
 @dataclass(frozen=True)
 class EcTransfer:
-    """The parts of vLLM's ``--ec-transfer-config`` this encoder acts on."""
+    """The parts of vLLM's ``--ec-transfer-config`` this encoder acts on.
+
+    ECExampleConnector sets ``storage_path``; ECMooncakeConnector sets
+    ``mooncake_protocol`` and ``control_timeout`` (the other is None).
+    """
 
     connector: str
     role: str
-    storage_path: str
+    storage_path: str | None
+    mooncake_protocol: str | None = None
+    control_timeout: float | None = None
 
 
 def parse_ec_transfer_config(raw: str) -> EcTransfer:
@@ -397,11 +426,32 @@ def parse_ec_transfer_config(raw: str) -> EcTransfer:
     if role != "ec_producer":
         raise ValueError(f"ec_transfer_config: an encoder's ec_role is ec_producer, got {role!r}")
     extra = config.get("ec_connector_extra_config") or {}
-    path = extra.get("shared_storage_path", EC_STORAGE_DEFAULT) if isinstance(extra, dict) else None
+    if not isinstance(extra, dict):
+        raise ValueError("ec_transfer_config: ec_connector_extra_config must be a JSON object")
+    if connector == "ECMooncakeConnector":
+        return _mooncake_ec(connector, role, extra)
+    path = extra.get("shared_storage_path", EC_STORAGE_DEFAULT)
     if not isinstance(path, str) or not path:
         raise ValueError("ec_transfer_config: ec_connector_extra_config.shared_storage_path must be "
                          "a directory path")
     return EcTransfer(connector, role, path)
+
+
+def _mooncake_ec(connector: str, role: str, extra: dict[str, Any]) -> EcTransfer:
+    """ECMooncakeConnector's producer settings, with vLLM's defaults and checks."""
+    protocol = extra.get("mooncake_protocol", EC_MOONCAKE_PROTOCOL)
+    if protocol not in MOONCAKE_PROTOCOLS:  # the transports --mooncake-protocol takes too
+        raise ValueError("ec_transfer_config: ec_connector_extra_config.mooncake_protocol must be "
+                         f"one of {', '.join(MOONCAKE_PROTOCOLS)}, got {protocol!r}")
+    timeout = extra.get("control_timeout_s", EC_CONTROL_TIMEOUT)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+            not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError("ec_transfer_config: ec_connector_extra_config.control_timeout_s must be a "
+                         f"number > 0, got {timeout!r}")
+    if extra.get("cross_encoder_cache", False) is not False:
+        raise ValueError("ec_transfer_config: cross_encoder_cache (vLLM's Mooncake Store) is not "
+                         "supported by this encoder")
+    return EcTransfer(connector, role, None, protocol, float(timeout))
 
 
 def _check_vllm(config: EncoderConfig) -> None:
@@ -499,16 +549,37 @@ def _encoder_urls(urls: tuple[str, ...]) -> tuple[str, ...]:
         raise ValueError(exc.message) from None
 
 
+def _dns_url(raw: str) -> str:
+    """``discovery_dns``: an http:// or grpc:// URL with a host name and a port, no path (each
+    address it resolves to becomes ``scheme://address:port``; https would fail its certificate
+    check on a bare address)."""
+    from epd_trio.errors import RequestError
+    from epd_trio.protocol.urls import normalize_url
+
+    try:
+        url = normalize_url(raw, "discovery_dns", schemes=("http", "grpc"))
+    except RequestError as exc:
+        raise ValueError(exc.message) from None
+    host_and_port = url.split("://", 1)[1]
+    if "/" in host_and_port:
+        raise ValueError(f"discovery_dns must have no path, got {raw!r}")
+    return url
+
+
 @dataclass(frozen=True)
 class ClientConfig:
     """The encoder client: which encoders, where embeddings arrive, deadlines, pool size."""
 
     encoder_urls: tuple[str, ...] = _opt((), "encoder base URLs (http://host:port, or grpc://host:port "
                                          "for the native gRPC service)", group="client")
-    zmq_bind: str = _opt("tcp://127.0.0.1:0", "where the client's ZMQ PULL socket binds (port 0 picks "
-                         "a free one)", group="delivery")
-    zmq_advertise: str | None = _opt(None, "the endpoint encoders push to (default: the bound one; "
-                                     "port 0 here means the bound port)", group="delivery")
+    zmq_bind: str | None = _opt(
+        None, "where the client's ZMQ PULL socket binds (port 0 picks a free one; a wildcard host, "
+        "0.0.0.0 or [::], tells each encoder this host's address on the route to it); default: "
+        "bound on first need to this host's address on the route to each encoder, a free port each",
+        group="delivery")
+    zmq_advertise: str | None = _opt(
+        None, "the endpoint every encoder pushes to (port 0 here means the bound port), for NAT; "
+        "needs zmq_bind; default: the bound one", group="delivery")
     timeout: float = _opt(60.0, "seconds one encode may take end to end, pool wait included "
                           "(→ EncodeTimeout)", group="client")
     connect_timeout: float = _opt(5.0, "seconds to connect to an encoder before trying another one",
@@ -522,16 +593,25 @@ class ClientConfig:
                            group="delivery", size=True)
     bootstrap_url: str | None = _opt(None, "a bootstrap registry to discover encoders from "
                                      "(merged with encoder_urls)", group="registry")
-    refresh_interval: float = _opt(5.0, "seconds between refreshes of the registry's encoder list "
-                                   "(in the background, never on a request's path)", group="registry")
-    registry_timeout: float = _opt(2.0, "seconds one registry query may take", group="registry")
+    discovery_dns: str | None = _opt(
+        None, "an encoder URL whose host name stands for every encoder: each of its A/AAAA "
+        "records is one (http://encoders.ns.svc:8000 for a Kubernetes headless Service, or "
+        "grpc://...); resolved every refresh_interval and merged with the other sources",
+        group="registry")
+    refresh_interval: float = _opt(5.0, "seconds between refreshes of the registry's and the DNS "
+                                   "name's encoder lists (in the background, never on a request's "
+                                   "path)", group="registry")
+    registry_timeout: float = _opt(2.0, "seconds one registry query (or resolution of "
+                                   "discovery_dns) may take", group="registry")
     transfer_backend: str = _opt("zmq", "how embeddings arrive: zmq (pushed to the client's PULL "
                                  "socket), mooncake (written straight into the registered pool; "
                                  "needs the mooncake extra) or inline (in the HTTP answers: no "
                                  "sockets of its own; simple set-ups and in-process tests)",
                                  group="delivery", choices=CLIENT_BACKENDS)
-    mooncake_host: str = _opt("127.0.0.1", "address encoders' Mooncake engines reach this client at",
-                              group="delivery")
+    mooncake_host: str | None = _opt(
+        None, "address encoders' Mooncake engines reach this client at; default: this host's "
+        "address on the route to the first peer it knows on another host (encoder_urls, "
+        "bootstrap_url, discovery_dns), loopback when there is none", group="delivery")
     mooncake_protocol: str = _opt("tcp", "Mooncake transport: rdma where RDMA NICs exist",
                                   group="delivery", choices=MOONCAKE_PROTOCOLS)
     mooncake_device: str = _opt("", "Mooncake RDMA device names (e.g. mlx5_0); empty for tcp",
@@ -544,3 +624,8 @@ class ClientConfig:
         _require(self, lambda v: v >= 1, "at least 1", "pool_bytes")
         # Normalized as a registry's list is, so the two merge: one encoder, one string.
         object.__setattr__(self, "encoder_urls", _encoder_urls(self.encoder_urls))
+        if self.zmq_advertise and not self.zmq_bind:
+            raise ValueError("zmq_advertise needs zmq_bind: the address and port the PULL socket "
+                             "listens on (encoders are told zmq_advertise)")
+        if self.discovery_dns is not None:
+            object.__setattr__(self, "discovery_dns", _dns_url(self.discovery_dns))

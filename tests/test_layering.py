@@ -1,4 +1,4 @@
-"""The house's layering, read from the package's own imports (README: *How it works*).
+"""The house's layering, read from the package's own imports (docs/architecture.md, Layering).
 
 Every ``import`` and ``from ... import`` in ``epd_trio/`` counts, wherever it
 sits: at module level, inside a function, under ``TYPE_CHECKING``. A module

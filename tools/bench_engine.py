@@ -68,7 +68,9 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+
+import bench_results  # noqa: E402  (tools/: the results file the docs are built from)
 
 
 @dataclass(frozen=True)
@@ -467,6 +469,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "program that embeds the engine)")
     p.add_argument("--skip-fixed", action="store_true",
                    help="leave out the engine with adaptive_batch=False (the fixed/best bare column)")
+    bench_results.add_argument(p)
     return p.parse_args(argv)
 
 
@@ -545,9 +548,14 @@ def measure(c: int, model_dir: Path, bare: tuple[Any, Any], images: list[Any],
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    with bench_results.recording("bench_engine", args.results, argv):
+        measure_and_report(args)
+
+
+def measure_and_report(args: argparse.Namespace) -> None:
     import torch
 
-    args = parse_args(argv)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     spec = QUICK if args.quick else QWEN25_VL_7B
@@ -583,9 +591,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                                      cpu_share(m.bare.cpu_seconds, m.bare.seconds)) < 0.8
     print()
     print_table(rows)
+    note = f"{n} {args.format} images, {args.dtype}, device {args.device}, best of {repeat}"
     if starved:
-        print("note: a kept run used under 80% of the cores: other load on the machine; "
-              "treat the ratios as noisy (raise --repeat)")
+        note += ("; a kept run used under 80% of the cores: other load on the machine; "
+                 "treat the ratios as noisy (raise --repeat)")
+        print("note: " + note.split("; ", 1)[1])
+    bench_results.record("engine against the bare transformers loop (img/s)", COLUMNS, rows, note)
 
 
 if __name__ == "__main__":

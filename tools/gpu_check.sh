@@ -23,7 +23,7 @@ WHEELS="${EPD_WHEELS:-$ROOT/.whl}"
 VENV="${EPD_GPU_VENV:-/tmp/epd-gpu-venv}"
 CKPT="${EPD_GPU_CKPT:-/tmp/epd-gpu-ckpt/qwen2.5-vl-7b-vision}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 MC_LOG_LEVEL=ERROR
-# As tools/env.sh does, and as the README asks of every encoder: idle OpenMP threads sleep.
+# As tools/env.sh does, and as docs/deployment.md asks of every encoder: idle OpenMP threads sleep.
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 
 if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then

@@ -13,7 +13,7 @@ count while parts are still out there.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -41,11 +41,25 @@ def _released(response: Answer) -> bool:
     return isinstance(body, dict) and body.get("released") is True
 
 
+class EncoderDraining(EncoderUnreachable):
+    """An encoder refused a part at admission because it drains (``DrainingError``): the part
+    never reached its work, so it moves as after a refused connection."""
+
+
+def _refused_while_draining(answer: Answer) -> bool:
+    if answer.status_code != 503:
+        return False
+    try:
+        return bool(json_of(answer)["error"]["type"] == "DrainingError")
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
 @dataclass(frozen=True)
 class RouterStatistics:
     encoders: tuple[str, ...]
     outstanding: Mapping[str, int]  # parts in flight per encoder
-    retries: int  # parts moved to another encoder after a connect error
+    retries: int  # parts moved to another encoder after a connect error or a draining refusal
     aborts_sent: int  # /abort answered 200, or 404 (the encoder was already done)
     aborts_failed: int  # /abort unreachable or answered anything else
     aborts_unreleased: int = 0  # /abort answered 200 before its parts had let go
@@ -99,14 +113,25 @@ class Router:
 
     # ---- I/O ----------------------------------------------------------------------
     async def post(self, calls: EncoderCalls, req: LiveRequest, state: PartState,
-                   body: dict[str, Any]) -> Answer:
-        """/encode for one part (HTTP or gRPC), whatever its status; a connect error moves
-        the part."""
+                   body: dict[str, Any], *,
+                   deliver: Callable[[str], Awaitable[dict[str, Any]]] | None = None) -> Answer:
+        """/encode for one part (HTTP or gRPC), whatever its status. A connect error, or a 503
+        ``DrainingError`` (refused at admission: not taken at all) while another encoder is
+        left, moves the part. ``deliver(url)`` gives the body's ``deliver`` for each encoder
+        tried (where that one reaches us); it may raise ``EncoderUnreachable`` too."""
         tried: list[str] = []
         while True:
-            state.posted = True
             try:
-                return await calls.post(state.encoder_url, "/encode", body)
+                if deliver is not None:
+                    body = {**body, "deliver": await deliver(state.encoder_url)}
+                state.posted = True
+                answer = await calls.post(state.encoder_url, "/encode", body)
+                if not _refused_while_draining(answer):
+                    return answer
+                # Not taken at all (a rolling update): as if it had never reached it.
+                if pick_fallback(self.encoders, self._outstanding, [*tried, state.encoder_url]) is None:
+                    return answer
+                raise EncoderDraining(f"{state.encoder_url} is draining")
             except (httpx.ConnectError, httpx.ConnectTimeout, EncoderUnreachable) as exc:
                 state.posted = False  # it never reached that encoder
                 tried.append(state.encoder_url)

@@ -22,7 +22,7 @@ threads that have not used torch yet, so a preprocessing job puts the
 thread's previous count back when it ends (threads the host application
 starts later are not left at 1). The OpenMP *waiting* policy cannot be
 changed once torch is loaded: set ``OMP_WAIT_POLICY=PASSIVE`` in the
-environment (README, "Threads").
+environment (docs/deployment.md, "Threads").
 """
 
 from __future__ import annotations
