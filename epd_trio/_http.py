@@ -59,10 +59,6 @@ class BearerAuth:
     def __init__(self, token: str | None) -> None:
         self._expected = f"Bearer {token}".encode() if token else None
 
-    @property
-    def enabled(self) -> bool:
-        return self._expected is not None
-
     def check(self, header: str | None, what: str) -> None:
         if self._expected is None:
             return
@@ -138,7 +134,8 @@ class JoinedBody(TrioBody):
 
 
 class JoinedBodyRequest(TrioRequest):
-    """The faces' request class: ``JoinedBody`` bodies."""
+    """The request class of a face whose large bodies reach Quart (the vLLM face's chat
+    route; the other faces serve their data path in front of Quart): ``JoinedBody`` bodies."""
 
     body_class = JoinedBody
 

@@ -217,6 +217,28 @@ async def test_both_calls_of_a_dead_child_fail_and_the_pool_restarts_once(qwen25
     assert children() <= before_children
 
 
+async def test_a_child_that_never_finishes_is_ended_after_the_grace(
+        qwen25_path: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A stopped child (as stuck as a child can be: it does not even see SIGTERM) holds
+    the pool's exit only for its grace period, twice: terminated, then killed."""
+    grace = 0.5
+    before_segments, before_children = segments(), children()
+    started = trio.current_time()
+    with trio.fail_after(60):
+        async with open_preprocess_pool(PoolSpec(qwen25_path, MediaLimits()), workers=1,
+                                        shutdown_grace=grace) as pool:
+            assert (await pool.preprocess([png_bytes(56, 56)], "image")).token_counts == (4,)
+            (child,) = children() - before_children
+            os.kill(child, signal.SIGSTOP)
+            leaving = trio.current_time()
+    took = trio.current_time() - leaving
+    assert 2 * grace <= took < 2 * grace + 10, took  # the terminate did nothing; the kill did
+    assert "still running 0.5 s after the pool began to close: terminate" in caplog.text
+    assert "still running 0.5 s after the pool began to close: kill" in caplog.text
+    assert children() <= before_children and segments() <= before_segments
+    assert trio.current_time() - started < 60
+
+
 def test_config_refuses_unknown_modes_and_device_processes() -> None:
     with pytest.raises(ValueError, match="preprocess_mode"):
         EngineConfig(preprocess_mode="fork")

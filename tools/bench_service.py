@@ -1,6 +1,6 @@
 """Benchmark: the encoder service (HTTP + ZMQ, and gRPC) against the in-process engine.
 
-One trio program runs one encoder server (``serve_encoder``, Hypercorn on port
+One trio program runs one encoder server (``serve_encoder``, HTTP on port
 0 and gRPC on port 0), a client (``open_encoder_client``), an httpx client, the
 receiver library's gRPC channel (``GrpcChannels``: grpcio's standard sync
 channel, each call's future bridged into trio) and, for the baseline, the *same*

@@ -14,6 +14,11 @@ that does not; a chaos client discovers the encoders from the registry
    encoder's ``/stats`` must return to idle, the chaos client must be quiescent
    and each encoder must still encode correctly.
 
+With ``--endings N``, N more seeds then run on each stage of the endings chaos
+(``tests/chaos/endings_scenarios.py``: Mooncake delivery through the client,
+the SGLang face with each of its three backends, process-mode preprocessing),
+each stage an encoder in this process.
+
 A progress line goes to stderr; the final table to stdout. Exit status 1 when
 any request hung (past its deadline + slack), anything leaked, an encoder
 answered 5xx to a request whose only fault was on the client's side
@@ -25,6 +30,7 @@ Usage::
     HF_HUB_OFFLINE=1 .venv/bin/python tools/chaos_soak.py --duration 60
     HF_HUB_OFFLINE=1 .venv/bin/python tools/chaos_soak.py --duration 600 --encoders 2 --parallel 2
     HF_HUB_OFFLINE=1 .venv/bin/python tools/chaos_soak.py --replay 1234,1240 --parallel 1
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/chaos_soak.py --duration 60 --endings 20
 """
 
 from __future__ import annotations
@@ -216,6 +222,18 @@ async def run_chaos(world: World, tally: Tally, seeds: Iterator[int], args: argp
             tally.add(report)
 
 
+async def run_endings(tally: Tally, args: argparse.Namespace) -> None:
+    """``--endings`` seeds on every stage of the endings chaos (encoders in this process)."""
+    from endings_scenarios import run_endings_scenario
+    from endings_stages import STAGES, stage_for
+
+    media = Media()
+    for name in STAGES:
+        async with stage_for(name, args.model_path, media) as stage:
+            for seed in range(args.seed, args.seed + args.endings):
+                tally.add(await run_endings_scenario(stage, seed))
+
+
 # ---- the table ---------------------------------------------------------------------------------------------------
 def percentile(values: Sequence[float], q: float) -> float:
     if not values:
@@ -242,6 +260,7 @@ def table_rows(tally: Tally, args: argparse.Namespace, wall: float) -> list[tupl
     rows = [
         ("run", f"{args.encoders} encoders + bootstrap + clean encoder (subprocesses), parallel "
                 f"{args.parallel}, chaos {'%d scenarios' % args.count if args.count else '%g s' % args.duration},"
+                f"{f', then {args.endings} seeds on each endings stage (in process)' if args.endings else ''},"
                 f" wall {wall:.0f} s"),
         ("scenarios run", f"{sum(tally.scenarios.values())} ({kinds})"),
         ("seeds", f"{min(tally.seeds, default=0)}..{max(tally.seeds, default=0)}"),
@@ -273,6 +292,9 @@ async def soak(args: argparse.Namespace) -> int:
             outer.start_soon(progress.run)
             async with AsyncExitStack() as stack:
                 await soak_with_servers(stack, args, logs, tally, progress)
+            if args.endings:
+                progress.enter("endings")
+                await run_endings(tally, args)
             outer.cancel_scope.cancel()
         print(file=sys.stderr)
     print(table(tally, args, time.monotonic() - t0))
@@ -337,6 +359,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="run exactly these seeds (comma-separated)")
     parser.add_argument("--model-path", default=None, help="checkpoint (default: the embedded tiny model)")
     parser.add_argument("--logs", default=None, help="keep the servers' logs in this directory")
+    parser.add_argument("--endings", type=int, default=0,
+                        help="then this many seeds on each stage of the endings chaos (Mooncake, "
+                             "the SGLang face's three backends, process mode; default 0)")
     bench_results.add_argument(parser)
     args = parser.parse_args(argv)
     if args.encoders < 1 or args.parallel < 1:

@@ -98,7 +98,8 @@ def _abort_request(body: dict[str, Any]) -> pb.AbortRequest:
 
 
 def _abort_answer(message: pb.AbortResponse, url: str) -> GrpcAnswer:
-    return GrpcAnswer(200, body={"req_id": message.req_id, "aborted": message.aborted})
+    return GrpcAnswer(200, body={"req_id": message.req_id, "aborted": message.aborted,
+                                 "released": message.released})
 
 
 # HTTP path → (RPC, body → message, answer → GrpcAnswer): the one table of what maps to what.

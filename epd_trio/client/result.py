@@ -172,8 +172,12 @@ class EncodedRequest:
     """A request's embeddings, held in one pool slot until ``release()``.
 
     Use as ``async with await client.encode(...) as result:``; the tensors are
-    views into the pool and must not be used after the block (copy what you
-    keep). A forgotten release is reclaimed by the pool's GC backstop.
+    views into the pool. Leaving the block releases the slot and the result lets
+    go of its tensors (``embeddings`` and ``items`` become empty); a tensor you
+    took out of it keeps its bytes out of the pool until it dies, so it never
+    shows a later request's embedding (keeping one holds pool memory: copy what
+    you keep for long). A forgotten release is reclaimed by the pool's GC
+    backstop, in the same way.
 
     Per modality: ``embeddings``, ``token_counts``, ``grid_thw`` and
     ``extras`` (name → one value per item, stitched across parts in item
@@ -219,7 +223,9 @@ class EncodedRequest:
         return self._slot.released
 
     def release(self) -> None:
-        """Give the pool slot back; idempotent."""
+        """Let go of the tensors and give the pool slot back; idempotent."""
+        self.embeddings = MappingProxyType({})  # first: unless the caller kept one, the
+        self.items = ()  # slot's range is then free at once
         self._slot.release()
 
     async def __aenter__(self) -> EncodedRequest:
@@ -230,9 +236,10 @@ class EncodedRequest:
         self.release()
 
     def __repr__(self) -> str:
+        if self.released:
+            return f"<EncodedRequest {self.req_id}: released>"
         shapes = ", ".join(f"{m} {tuple(t.shape)}" for m, t in self.embeddings.items())
-        state = "released" if self.released else f"{self._slot.nbytes} bytes held"
-        return f"<EncodedRequest {self.req_id}: {shapes}; {state}>"
+        return f"<EncodedRequest {self.req_id}: {shapes}; {self._slot.nbytes} bytes held>"
 
 
 def _items(modality: str, tensor: torch.Tensor, counts: Sequence[int],

@@ -32,6 +32,15 @@ __all__ = ["Router", "RouterStatistics"]
 log = logging.getLogger(__name__)
 
 
+def _released(response: Answer) -> bool:
+    """Whether an /abort's 200 says its parts have let go (``"released": true``)."""
+    try:
+        body = json_of(response)
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("released") is True
+
+
 class EncoderDraining(EncoderUnreachable):
     """An encoder refused a part at admission because it drains (``DrainingError``): the part
     never reached its work, so it moves as after a refused connection."""
@@ -53,6 +62,7 @@ class RouterStatistics:
     retries: int  # parts moved to another encoder after a connect error or a draining refusal
     aborts_sent: int  # /abort answered 200, or 404 (the encoder was already done)
     aborts_failed: int  # /abort unreachable or answered anything else
+    aborts_unreleased: int = 0  # /abort answered 200 before its parts had let go
 
 
 class Router:
@@ -64,6 +74,7 @@ class Router:
         self._retries = 0
         self._aborts_sent = 0
         self._aborts_failed = 0
+        self._aborts_unreleased = 0
 
     # ---- decisions (no I/O) -----------------------------------------------------
     def plan(self, item_counts: Mapping[str, int]) -> list[Part]:
@@ -134,7 +145,10 @@ class Router:
         """Tell encoders to drop the parts they may still work on (best effort, shielded).
 
         True when every such encoder confirmed (or there was none): none of them will
-        touch the request's memory any more.
+        touch the request's memory any more. An encoder confirms with a 404 (it holds
+        nothing of the request) or a 200 that says ``released``; a 200 without it (the
+        encoder's wait ran out while a part still held the memory, or an encoder that
+        does not say) is not a confirmation.
         """
         targets = [s for s in req.parts if s.posted and not s.answered]
         if not targets:
@@ -157,16 +171,22 @@ class Router:
             log.info("could not abort %s part %d on %s: %s", req_id, state.part.part_idx,
                      state.encoder_url, exc)
             return
-        if response.status_code in (200, 404):  # 404: the encoder had already finished with it
-            self._aborts_sent += 1
+        if response.status_code not in (200, 404):
+            self._aborts_failed += 1
+            return
+        self._aborts_sent += 1
+        if response.status_code == 404 or _released(response):  # 404: it had finished with it
             confirmed.append(state)
         else:
-            self._aborts_failed += 1
+            self._aborts_unreleased += 1
+            log.info("%s answered the /abort of %s part %d before the part let go", state.encoder_url,
+                     req_id, state.part.part_idx)
 
     # ---- observability ------------------------------------------------------------
     def statistics(self) -> RouterStatistics:
         return RouterStatistics(self.encoders, MappingProxyType(dict(self._outstanding)),
-                                self._retries, self._aborts_sent, self._aborts_failed)
+                                self._retries, self._aborts_sent, self._aborts_failed,
+                                self._aborts_unreleased)
 
     def __repr__(self) -> str:
         s = self.statistics()

@@ -11,9 +11,10 @@ lifecycle (``epd_trio.encoder.service``) in this order:
 - ``fail(error)`` when the request failed, was aborted or timed out: the
   receiver hears of it instead of waiting for its own timeout.
 
-and ``aclose()`` exactly once, when the scope that owns it is released.
-Building a delivery acquires nothing, so one refused before admission is
-simply dropped.
+and ``admitted()`` once its request holds its key (after the duplicate check:
+a delivery may make itself known then), ``aclose()`` exactly once, when the
+scope that owns it is released. Building a delivery acquires and changes
+nothing, so one refused before admission (a 409 duplicate) is simply dropped.
 
 Every delivery maps its transport's exceptions into ``epd_trio.errors``
 inside itself (``map_exceptions``, as httpcore does), so no transport error
@@ -23,15 +24,16 @@ reaches a face as a 500.
 from __future__ import annotations
 
 import dataclasses
-import logging
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
 
 import trio
+import zmq
 
-from epd_trio.errors import EPDError
+from epd_trio._util import first_leaf
+from epd_trio.errors import EPDError, PeerUnavailable, TransferTimeout, TransportError
 from epd_trio.protocol.requests import EncodeMeta, EncodeRequest
 
 from epd_trio.delivery.sglang_rendezvous import Rendezvous
@@ -47,11 +49,21 @@ __all__ = [
     "DeliveryContext",
     "DeliveryFactory",
     "PulledDelivery",
-    "first_error",
+    "TRANSPORT_ERRORS",
+    "fan_out",
     "map_exceptions",
+    "push",
 ]
 
-log = logging.getLogger(__name__)
+# What the transports and their threads can raise on a send or a write, as our errors
+# (a transfer engine's return codes are already ``TransportError``s).
+TRANSPORT_ERRORS: Final[Mapping[type[Exception], type[EPDError]]] = {
+    trio.TooSlowError: TransferTimeout,
+    trio.BrokenResourceError: PeerUnavailable,  # Broken: the peer or the environment failed
+    trio.ClosedResourceError: TransportError,  # Closed: we closed it (eviction, shutdown)
+    zmq.ZMQError: TransportError,
+    OSError: TransportError,
+}
 
 
 @dataclass(frozen=True)
@@ -72,6 +84,8 @@ class Answer:
 class Delivery(Protocol):
     """Where one request's embedding goes (see the module docstring)."""
 
+    def admitted(self) -> None: ...
+
     def sized(self, meta: EncodeMeta) -> Answer | None: ...
 
     async def deliver(self, embedding: Any, meta: EncodeMeta) -> Answer: ...
@@ -87,10 +101,16 @@ class PulledDelivery(Delivery, Protocol):
 
     It writes into the receivers' memory, so ``/abort`` waits until it has let go.
     ``order`` carries what a protocol adds to an order (SGLang: where to send
-    the completion notice, and how many receivers there are).
+    the completion notice, and how many receivers there are). ``unsettled``
+    is true while a write it started may still land (one the transfer engine
+    did not stop within its bound): until then a receiver must not reuse that
+    memory, even after the delivery was closed.
     """
 
     async def take_order(self, session: str, address: int, length: int, **order: Any) -> int: ...
+
+    @property
+    def unsettled(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -138,18 +158,22 @@ def map_exceptions(mapping: Mapping[type[Exception], type[EPDError]], what: str)
         raise
 
 
-def first_error(group: BaseExceptionGroup[EPDError]) -> EPDError:
-    """The first error of a group of child-task failures; the others are logged, not dropped."""
-    leaves: list[EPDError] = []
+@asynccontextmanager
+async def fan_out() -> AsyncIterator[trio.Nursery]:
+    """A nursery for sends to several destinations at once (a child task each).
 
-    def walk(exc: BaseException) -> None:
-        if isinstance(exc, BaseExceptionGroup):
-            for sub in exc.exceptions:
-                walk(sub)
-        else:
-            leaves.append(exc)  # type: ignore[arg-type]  # split by ``except* EPDError``
+    The first failure is the one raised (the others are logged, ``first_leaf``);
+    a bug is not an ``EPDError`` and leaves as it is.
+    """
+    try:
+        async with trio.open_nursery() as nursery:
+            yield nursery
+    except* EPDError as group:
+        raise first_leaf(group) from None
 
-    walk(group)
-    for sibling in leaves[1:]:
-        log.info("also failed: %s: %s", type(sibling).__name__, sibling)
-    return leaves[0]
+
+async def push(sockets: PushSocketCache, endpoint: str, frames: Sequence[Any], timeout: float,
+               what: str = "ZMQ send") -> None:
+    """One ZMQ message to ``endpoint`` through the encoder's socket cache, errors typed."""
+    with map_exceptions(TRANSPORT_ERRORS, f"{what} to {endpoint}"):
+        await sockets.send(endpoint, frames, timeout)

@@ -40,6 +40,9 @@ class InlineDelivery:
     def for_request(cls, request: EncodeRequest, context: DeliveryContext) -> InlineDelivery:
         return cls(threads=context.threads)
 
+    def admitted(self) -> None:
+        """Nothing to announce: the answer is the delivery."""
+
     def sized(self, meta: EncodeMeta) -> Answer | None:
         return None
 

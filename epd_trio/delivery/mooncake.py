@@ -9,40 +9,32 @@ so the registration is released only after every write has finished (or is
 held by the transport's reaper). The delivery is done once ``receive_count``
 distinct destinations are served; a retried order to a served destination
 writes again but is not counted twice. Orders that arrive after the end are
-answered with the reason it ended.
+answered with the reason it ended. A write the transfer engine did not stop
+within its bound leaves the delivery ``unsettled`` until it has (see
+``PulledDelivery``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
 import outcome
 import torch
 import trio
 
-from epd_trio.delivery.base import Answer, DeliveryContext, first_error, map_exceptions
+from epd_trio.delivery.base import TRANSPORT_ERRORS, Answer, DeliveryContext, fan_out, map_exceptions
 from epd_trio.errors import (
     EPDError,
     OverloadedError,
     RequestError,
     TransferTimeout,
-    TransportError,
     UnknownRequestError,
 )
 from epd_trio.protocol.requests import EncodeMeta, EncodeRequest
 from epd_trio.transport.mooncake import MooncakeTransport
 
 __all__ = ["Mailbox", "MooncakeDelivery", "SendOrder"]
-
-# What the transfer engine and its threads can raise, as our errors (return
-# codes are already ``TransportError``s from the transport).
-_ERRORS: Final[dict[type[Exception], type[EPDError]]] = {
-    trio.TooSlowError: TransferTimeout,
-    trio.ClosedResourceError: TransportError,
-    trio.BrokenResourceError: TransportError,
-    OSError: TransportError,
-}
 
 
 @dataclass(eq=False)
@@ -105,6 +97,7 @@ class MooncakeDelivery:
         self._mooncake = mooncake
         self._timeout = send_timeout
         self.mailbox = Mailbox(request.deliver.receive_count)
+        self._targets: set[tuple[str, int]] = set()  # (session, address) of every write started
 
     @classmethod
     def for_request(cls, request: EncodeRequest, context: DeliveryContext) -> MooncakeDelivery:
@@ -113,8 +106,15 @@ class MooncakeDelivery:
                                "(start it with --transfer-backend mooncake)", req_id=request.req_id)
         return cls(request, context.mooncake, context.send_timeout)
 
+    def admitted(self) -> None:
+        """Nothing to announce: receivers learn of the part from its early answer."""
+
     def sized(self, meta: EncodeMeta) -> Answer | None:
         return Answer(meta, nbytes=_nbytes(meta))  # receivers reserve while the forward runs
+
+    @property
+    def unsettled(self) -> bool:
+        return any(self._mooncake.still_writing(session, address) for session, address in self._targets)
 
     async def take_order(self, session: str, address: int, length: int, **order_fields: Any) -> int:
         """A ``/send``: post the order, wait until it is served; the bytes written."""
@@ -134,7 +134,7 @@ class MooncakeDelivery:
         """After one order's bytes are in place, before it counts as served (a hook)."""
 
     async def deliver(self, embedding: Any, meta: EncodeMeta) -> Answer:
-        with map_exceptions(_ERRORS, "mooncake delivery"):
+        with map_exceptions(TRANSPORT_ERRORS, "mooncake delivery"):
             await self._serve(embedding)
         self.mailbox.close(self._released())
         return Answer(meta, embedding, nbytes=_nbytes(meta))
@@ -171,8 +171,9 @@ class MooncakeDelivery:
                 order.finish(outcome.Error(RequestError(
                     f"buffer_length {order.length} is smaller than the embedding's {nbytes} bytes")))
                 return
+            self._targets.add((order.session, order.address))
             try:
-                with map_exceptions(_ERRORS, f"mooncake write to {order.session}"):
+                with map_exceptions(TRANSPORT_ERRORS, f"mooncake write to {order.session}"):
                     await self._mooncake.write(order.session, embedding.data_ptr(), order.address,
                                                nbytes, timeout=self._timeout, keepalive=embedding)
                 await self.written(order)
@@ -185,18 +186,15 @@ class MooncakeDelivery:
                 all_served.set()
 
         async with self._mooncake.registered(embedding.data_ptr(), nbytes):
-            try:
-                async with trio.open_nursery() as writers:
-                    async def take_orders() -> None:
-                        async for order in self.mailbox.orders:
-                            writers.start_soon(write, order)
+            async with fan_out() as writers:
+                async def take_orders() -> None:
+                    async for order in self.mailbox.orders:
+                        writers.start_soon(write, order)
 
-                    writers.start_soon(take_orders)
-                    with trio.move_on_after(self._timeout) as waiting:
-                        await all_served.wait()
-                    writers.cancel_scope.cancel()
-            except* EPDError as group:
-                raise first_error(group) from None
+                writers.start_soon(take_orders)
+                with trio.move_on_after(self._timeout) as waiting:
+                    await all_served.wait()
+                writers.cancel_scope.cancel()
             if waiting.cancelled_caught:
                 wanted = self.mailbox.receive_count
                 raise TransferTimeout(f"{wanted - len(served)} of {wanted} "

@@ -16,14 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Final
 
-import trio
-import zmq
-
-from epd_trio.delivery.base import Answer, DeliveryContext, map_exceptions
+from epd_trio.delivery.base import Answer, DeliveryContext, push
 from epd_trio.delivery.mooncake import Mailbox, MooncakeDelivery, SendOrder, _nbytes
 from epd_trio.delivery.sglang_rendezvous import Entry, Rendezvous
 from epd_trio.delivery.sglang_zmq import tcp_endpoint
-from epd_trio.errors import EPDError, PeerUnavailable, RequestError, TransferTimeout, TransportError
+from epd_trio.errors import EPDError, RequestError
 from epd_trio.protocol.requests import EncodeMeta, EncodeRequest
 from epd_trio.protocol.sglang import embedding_frame, meta_fields
 from epd_trio.transport.mooncake import MooncakeTransport
@@ -33,13 +30,6 @@ __all__ = ["MAX_RECEIVERS", "SGLangMooncakeDelivery", "SGLangOrder"]
 
 # Most ranks one part may be written to (SGLang's receive_count is the TP size).
 MAX_RECEIVERS: Final = 64
-
-_ERRORS: Final[dict[type[Exception], type[EPDError]]] = {
-    trio.TooSlowError: TransferTimeout,
-    trio.BrokenResourceError: PeerUnavailable,
-    trio.ClosedResourceError: TransportError,
-    zmq.ZMQError: TransportError,
-}
 
 
 @dataclass(eq=False)
@@ -72,8 +62,10 @@ class SGLangMooncakeDelivery(MooncakeDelivery):
         if context.mooncake is None:
             raise RequestError("this encoder does not serve Mooncake delivery (start it with "
                                "--encoder-transfer-backend mooncake)", req_id=request.req_id)
-        context.rendezvous.expect(request.req_id)  # its ranks ask for its sizes
         return cls(request, context.mooncake, context.send_timeout, context.zmq, context.rendezvous)
+
+    def admitted(self) -> None:
+        self._rendezvous.expect(self._request.req_id)  # its ranks ask for its sizes
 
     def _claimed(self) -> Entry:
         if self._entry is None:
@@ -105,8 +97,8 @@ class SGLangMooncakeDelivery(MooncakeDelivery):
 
     async def written(self, order: SendOrder) -> None:
         assert isinstance(order, SGLangOrder) and self._notice is not None
-        with map_exceptions(_ERRORS, f"ZMQ completion notice to {order.completion}"):
-            await self._sockets.send(order.completion, [self._notice], self._timeout)
+        await push(self._sockets, order.completion, [self._notice], self._timeout,
+                   "ZMQ completion notice")
 
     async def deliver(self, embedding: Any, meta: EncodeMeta) -> Answer:
         self._publish(meta)  # a cached part was never sized

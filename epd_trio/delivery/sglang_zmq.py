@@ -13,26 +13,18 @@ frame-0-only error message (``epd_trio.protocol.sglang``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any
 
 import trio
-import zmq
 
-from epd_trio.delivery.base import Answer, DeliveryContext, first_error, map_exceptions
+from epd_trio.delivery.base import Answer, DeliveryContext, fan_out, push
 from epd_trio.delivery.sglang_rendezvous import Entry, Rendezvous
-from epd_trio.errors import EPDError, PeerUnavailable, TransferTimeout, TransportError
+from epd_trio.errors import EPDError, TransferTimeout
 from epd_trio.protocol.requests import EncodeMeta, EncodeRequest
 from epd_trio.protocol.sglang import embedding_message, error_message, meta_fields
 from epd_trio.transport.zmq import PushSocketCache
 
 __all__ = ["SGLangZmqDelivery", "tcp_endpoint"]
-
-_ERRORS: Final[dict[type[Exception], type[EPDError]]] = {
-    trio.TooSlowError: TransferTimeout,
-    trio.BrokenResourceError: PeerUnavailable,
-    trio.ClosedResourceError: TransportError,
-    zmq.ZMQError: TransportError,
-}
 
 
 def tcp_endpoint(host_port: str) -> str:
@@ -57,9 +49,11 @@ class SGLangZmqDelivery:
 
     @classmethod
     def for_request(cls, request: EncodeRequest, context: DeliveryContext) -> SGLangZmqDelivery:
-        if not request.deliver.endpoints:  # zmq_to_scheduler: its ranks register for it
-            context.rendezvous.expect(request.req_id)
         return cls(request, context.zmq, context.send_timeout, context.rendezvous)
+
+    def admitted(self) -> None:
+        if not self.endpoints:  # zmq_to_scheduler: its ranks register for it
+            self._rendezvous.expect(self._request.req_id)
 
     def sized(self, meta: EncodeMeta) -> Answer | None:
         self._claim()  # registrations wait for a claim: tell them this part is live
@@ -87,15 +81,12 @@ class SGLangZmqDelivery:
         return self._entry
 
     async def _send_all(self, frames: Sequence[Any]) -> None:
-        try:
-            async with trio.open_nursery() as nursery:
-                if self.endpoints:
-                    for destination in self.endpoints:
-                        nursery.start_soon(self._send, tcp_endpoint(destination), frames)
-                else:
-                    await self._send_to_registered(nursery, frames)
-        except* EPDError as group:
-            raise first_error(group) from None
+        async with fan_out() as nursery:
+            if self.endpoints:
+                for destination in self.endpoints:
+                    nursery.start_soon(self._send, tcp_endpoint(destination), frames)
+            else:
+                await self._send_to_registered(nursery, frames)
 
     async def _send_to_registered(self, nursery: trio.Nursery, frames: Sequence[Any]) -> None:
         """Start a send to each destination as it registers, until ``receive_count`` have one."""
@@ -116,8 +107,7 @@ class SGLangZmqDelivery:
                               req_id=self._request.req_id)
 
     async def _send(self, endpoint: str, frames: Sequence[Any]) -> None:
-        with map_exceptions(_ERRORS, f"ZMQ send to {endpoint}"):
-            await self._sockets.send(endpoint, frames, self._timeout)
+        await push(self._sockets, endpoint, frames, self._timeout)
 
     def __repr__(self) -> str:
         where = f"{len(self.endpoints)} endpoint(s)" if self.endpoints else "registered destinations"

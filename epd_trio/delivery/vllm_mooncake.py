@@ -42,9 +42,8 @@ from typing import Any, Final
 
 import torch
 import trio
-import zmq
 
-from epd_trio.delivery.base import Answer, DeliveryContext, first_error, map_exceptions
+from epd_trio.delivery.base import TRANSPORT_ERRORS, Answer, DeliveryContext, fan_out, map_exceptions
 from epd_trio.errors import (
     EncodeError,
     EPDError,
@@ -77,14 +76,6 @@ log = logging.getLogger(__name__)
 
 CANCEL_ATTEMPTS: Final = 2  # per reservation, as vLLM's producer
 MAX_CONSUMERS: Final = 1024  # consumers whose shards are remembered (least recently used go)
-
-_ERRORS: Final[dict[type[Exception], type[EPDError]]] = {
-    trio.TooSlowError: TransferTimeout,
-    trio.BrokenResourceError: PeerUnavailable,
-    trio.ClosedResourceError: TransportError,  # the encoder is closing its sockets
-    zmq.ZMQError: TransportError,
-    OSError: TransportError,
-}
 
 Key = tuple[str, str]  # (shard endpoint, transfer_id)
 
@@ -183,6 +174,9 @@ class VllmMooncakeDelivery:
                                "transfer_id per item", req_id=request.req_id)
         return cls(request, context.vllm_control, context.mooncake, context.send_timeout)
 
+    def admitted(self) -> None:
+        """Nothing to announce: the consumer learns of the items when they are reserved."""
+
     def sized(self, meta: EncodeMeta) -> Answer | None:
         return None  # the destinations are reserved once the bytes exist
 
@@ -192,7 +186,7 @@ class VllmMooncakeDelivery:
         self._control.live.add(self)
         self._control.counts["pushes"] += 1
         try:
-            with map_exceptions(_ERRORS, f"pushing to the EC consumer at {self._consumer}"):
+            with map_exceptions(TRANSPORT_ERRORS, f"pushing to the EC consumer at {self._consumer}"):
                 with trio.move_on_after(self._timeout) as pushing:
                     await self._push(source, items)
             if pushing.cancelled_caught:
@@ -318,7 +312,7 @@ class VllmMooncakeDelivery:
             async def cancel(entry: tuple[Key, str]) -> None:
                 (shard, tid), rid = entry
                 try:
-                    with map_exceptions(_ERRORS, f"cancel at {shard}"):
+                    with map_exceptions(TRANSPORT_ERRORS, f"cancel at {shard}"):
                         await self._control.cancel(shard, tid, rid)
                 except EPDError as exc:
                     log.info("could not cancel transfer %s at %s: %s", tid, shard, exc)
@@ -338,12 +332,9 @@ class VllmMooncakeDelivery:
 async def _each(task: Callable[[Any], Awaitable[None]], args: Sequence[Any]) -> None:
     """``task(arg)`` for every arg, concurrently; the first failure cancels the rest and is raised."""
     async def run(arg: Any) -> None:
-        with map_exceptions(_ERRORS, "pushing to the EC consumer"):
+        with map_exceptions(TRANSPORT_ERRORS, "pushing to the EC consumer"):
             await task(arg)
 
-    try:
-        async with trio.open_nursery() as nursery:
-            for arg in args:
-                nursery.start_soon(run, arg)
-    except* EPDError as group:
-        raise first_error(group) from None
+    async with fan_out() as nursery:
+        for arg in args:
+            nursery.start_soon(run, arg)

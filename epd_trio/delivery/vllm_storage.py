@@ -92,6 +92,9 @@ class VllmStorageDelivery:
             raise RequestError("a vLLM delivery needs one mm_hash per item", req_id=request.req_id)
         return cls(Path(context.vllm_storage), request.hashes, context.threads)
 
+    def admitted(self) -> None:
+        """Nothing to announce: the consumer looks for the files by name."""
+
     def sized(self, meta: EncodeMeta) -> Answer | None:
         return None  # nothing to reserve: the files appear when they are whole
 

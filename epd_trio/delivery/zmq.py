@@ -9,26 +9,15 @@ fast instead of waiting for their timeout.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any
 
-import trio
-import zmq
-
-from epd_trio.delivery.base import Answer, DeliveryContext, first_error, map_exceptions
-from epd_trio.errors import EPDError, PeerUnavailable, TransferTimeout, TransportError
+from epd_trio.delivery.base import Answer, DeliveryContext, fan_out, push
+from epd_trio.errors import EPDError
 from epd_trio.protocol.codec import encode_zmq_message, error_message, header_for
 from epd_trio.protocol.requests import EncodeMeta, EncodeRequest
 from epd_trio.transport.zmq import PushSocketCache
 
 __all__ = ["ZmqDelivery"]
-
-# Everything pyzmq and our trio socket can raise on a send, as our errors.
-_ERRORS: Final[dict[type[Exception], type[EPDError]]] = {
-    trio.TooSlowError: TransferTimeout,
-    trio.BrokenResourceError: PeerUnavailable,
-    trio.ClosedResourceError: TransportError,  # we closed it (eviction, shutdown)
-    zmq.ZMQError: TransportError,
-}
 
 
 class ZmqDelivery:
@@ -43,6 +32,9 @@ class ZmqDelivery:
     @classmethod
     def for_request(cls, request: EncodeRequest, context: DeliveryContext) -> ZmqDelivery:
         return cls(request, context.zmq, context.send_timeout)
+
+    def admitted(self) -> None:
+        """Nothing to announce: the endpoints came with the request."""
 
     def sized(self, meta: EncodeMeta) -> Answer | None:
         return None  # the JSON answer waits until the bytes are handed to ZMQ
@@ -64,18 +56,11 @@ class ZmqDelivery:
 
     async def _send_all(self, frames: Sequence[Any]) -> None:
         if len(self.endpoints) == 1:  # the common case: no nursery, no task per message
-            await self._send(self.endpoints[0], frames)
+            await push(self._sockets, self.endpoints[0], frames, self._timeout)
             return
-        try:
-            async with trio.open_nursery() as nursery:
-                for endpoint in self.endpoints:
-                    nursery.start_soon(self._send, endpoint, frames)
-        except* EPDError as group:
-            raise first_error(group) from None
-
-    async def _send(self, endpoint: str, frames: Sequence[Any]) -> None:
-        with map_exceptions(_ERRORS, f"ZMQ send to {endpoint}"):
-            await self._sockets.send(endpoint, frames, self._timeout)
+        async with fan_out() as nursery:
+            for endpoint in self.endpoints:
+                nursery.start_soon(push, self._sockets, endpoint, frames, self._timeout)
 
     def __repr__(self) -> str:
         return f"<ZmqDelivery {self._request.req_id!r} to {len(self.endpoints)} endpoint(s)>"

@@ -20,7 +20,6 @@ from quart_trio import QuartTrio
 
 from epd_trio._http import (
     BearerAuth,
-    JoinedBodyRequest,
     Reply,
     error_reply,
     face_error_reply,
@@ -63,7 +62,6 @@ def _peek_req_id(body: dict[str, Any]) -> str | None:
 def create_app(service: EncoderService) -> BareRoutes:
     """One app per service: no module-level state."""
     app = QuartTrio(__name__)
-    app.request_class = JoinedBodyRequest  # large bodies copied once, not per chunk
     app.config["MAX_CONTENT_LENGTH"] = service.config.max_body_bytes
     app.config["BODY_TIMEOUT"] = service.config.request_timeout
     access_control(app, service.config)
@@ -171,7 +169,8 @@ def add_shared_routes(app: QuartTrio, service: EncoderService) -> None:
     @app.post("/abort")
     async def abort() -> Response:
         req = parse_abort_request(await _body(service.deliveries.threads))
-        return json_response({"req_id": req.req_id, "aborted": await service.abort(req.req_id, req.part_idx)})
+        result = await service.abort(req.req_id, req.part_idx)
+        return json_response({"req_id": req.req_id, "aborted": result.aborted, "released": result.released})
 
     @app.get("/model_info")
     async def model_info() -> Response:

@@ -55,7 +55,8 @@ class _Native:
     async def abort(self, message: pb.AbortRequest, call: Call) -> pb.AbortResponse:
         part = message.part_idx if message.HasField("part_idx") else None
         req = parse_abort_request({"req_id": message.req_id, "part_idx": part})
-        return pb.AbortResponse(req_id=req.req_id, aborted=await self.service.abort(req.req_id, req.part_idx))
+        result = await self.service.abort(req.req_id, req.part_idx)
+        return pb.AbortResponse(req_id=req.req_id, aborted=result.aborted, released=result.released)
 
     async def model_info(self, message: pb.ModelInfoRequest, call: Call) -> pb.ModelInfo:
         info = self.service.model_info

@@ -26,6 +26,9 @@ Names (all prefixed ``epd_encoder_``):
   ``batch_token_cap{worker, device, modality}``, the adaptive cap (most tokens
   per forward; 0: each request alone), for each modality that has batched
   while adaptation is on.
+- counters ``release_errors_total`` (a delivery's ``aclose`` raised a bug;
+  the scope was released anyway, the traceback is in the log) and
+  ``release_timeouts_total`` (one ran past its bound).
 - with the cache on: ``cache_hits_total``, ``cache_misses_total``,
   ``cache_evictions_total``, ``cache_bytes``, ``cache_capacity_bytes``,
   ``cache_entries``, ``cache_hit_ratio``.
@@ -120,8 +123,12 @@ class _LevelCollector:
 
     def collect(self) -> Iterator[Metric]:
         service, engine = self._service, self._service.engine
-        e = engine.statistics()
-        yield _gauge("live_requests", "Request scopes alive", service.registry.statistics().live_requests)
+        e, registry = engine.statistics(), service.registry.statistics()
+        yield _gauge("live_requests", "Request scopes alive", registry.live_requests)
+        yield _counter("release_errors", "Deliveries whose closing raised a bug (released anyway)",
+                       registry.release_errors)
+        yield _counter("release_timeouts", "Deliveries whose closing ran past its bound "
+                       "(released anyway)", registry.release_timeouts)
         yield _gauge("admitted_requests", "Requests admitted (preprocessing, queued or running)", e.admitted)
         yield _gauge("queue_depth", "Requests queued for a forward, all devices", e.queued)
         yield _gauge("running_requests", "Requests in a running forward, all devices", e.running)

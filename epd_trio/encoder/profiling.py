@@ -169,7 +169,8 @@ class Profiler:
 
     def statistics(self) -> ProfilerStatistics:
         return ProfilerStatistics(
-            running=self._profile is not None, steps=self._steps, traces_written=self._written,
+            running=self._profile is not None or self._stopping, steps=self._steps,
+            traces_written=self._written,
             last_trace=str(self._last) if self._last else None,
             root=str(self._root) if self._root else None)
 

@@ -7,7 +7,10 @@ A scope moves through ``Phase``s in one direction::
 (a cached or failing request may skip a phase; none goes back). The way it
 ended is recorded once, with its error; the face's answer is given once
 (``answer`` refuses a second). ``release`` is the scope's own last step: it
-closes the delivery, shielded, then leaves the registry.
+closes the delivery, shielded and bounded (``CLOSE_TIMEOUT``), then leaves the
+registry whatever the closing did: a delivery's bug is logged with its
+traceback and counted (``release_errors``), never let into the request
+nursery, where it would cancel every other request.
 
 ``ScopeRegistry`` is how ``/abort``, duplicates (409), drain and ``/stats``
 see live requests: one scope per ``(req_id, part_idx)``, admitted
@@ -26,7 +29,7 @@ from typing import Final
 import outcome
 import trio
 
-from epd_trio.delivery import Answer, Delivery
+from epd_trio.delivery import Answer, Delivery, PulledDelivery
 from epd_trio.errors import AbortedError, DuplicateRequestError, EPDError, UnknownRequestError
 from epd_trio.protocol.requests import EncodeRequest
 
@@ -35,6 +38,13 @@ __all__ = ["Phase", "RegistryStatistics", "RequestScope", "ScopeRegistry", "Scop
 log = logging.getLogger(__name__)
 
 Key = tuple[str, int]
+
+# Seconds a delivery's ``aclose`` may take inside the release's shield. Closing
+# holds nothing that waits on a peer (the writes have settled before it), so
+# running into this is a bug, logged and counted like one.
+CLOSE_TIMEOUT: Final = 10.0
+# Released scopes whose writes may still land, remembered for /abort (the oldest go first).
+MAX_UNSETTLED: Final = 1024
 
 
 class Phase(enum.Enum):
@@ -85,6 +95,7 @@ class RequestScope:
         self._waiting: trio.CancelScope | None = None  # a wait_answer watching its client
         self._released = trio.Event()
         self._on_release = on_release
+        self.close_failure: str | None = None  # "error" or "timeout": the delivery's aclose failed
 
     @property
     def key(self) -> Key:
@@ -149,16 +160,51 @@ class RequestScope:
         self.cancel_scope.cancel()
 
     async def release(self) -> None:
-        """Close the delivery (shielded: a release always completes), then leave the registry."""
-        with trio.CancelScope(shield=True):
-            try:
-                await self.delivery.aclose()
-            except EPDError as exc:
-                log.info("closing the delivery of %s failed: %s (released anyway)",
-                         self.request.req_id, exc)
-        self.advance(Phase.RELEASED)
-        self._on_release(self)
-        self._released.set()
+        """Close the delivery (shielded, at most ``CLOSE_TIMEOUT``), then leave the registry.
+
+        Whatever ``aclose`` raises or however long it hangs, the scope leaves
+        the registry: its id may be admitted again and a drain does not wait
+        for it. An ``EPDError`` is an expected failure (logged); anything else
+        is a bug, logged with its traceback and counted.
+        """
+        try:
+            with trio.CancelScope(shield=True) as closing:
+                closing.deadline = trio.current_time() + CLOSE_TIMEOUT
+                try:
+                    await self.delivery.aclose()
+                except EPDError as exc:
+                    log.info("closing the delivery of %s failed: %s (released anyway)",
+                             self.request.req_id, exc)
+                except Exception:  # a delivery's bug: logged and counted, never raised here
+                    self.close_failure = "error"
+                    log.exception("closing the delivery of %s part %d failed unexpectedly "
+                                  "(released anyway)", self.request.req_id, self.request.part_idx)
+            if closing.cancelled_caught:
+                self.close_failure = "timeout"
+                log.error("closing the delivery of %s part %d took over %g s (released anyway)",
+                          self.request.req_id, self.request.part_idx, CLOSE_TIMEOUT)
+        finally:
+            if self.ending is None:  # a bug in the lifecycle; the release still completes
+                log.error("%r was released before it ended", self)
+            self.phase = Phase.RELEASED
+            self._on_release(self)
+            self._released.set()
+
+    @property
+    def released(self) -> bool:
+        return self._released.is_set()
+
+    @property
+    def unsettled(self) -> bool:
+        """A write this scope started may still land in a receiver's memory (see
+        ``PulledDelivery.unsettled``): until it has stopped, the receiver must not
+        reuse that memory."""
+        return isinstance(self.delivery, PulledDelivery) and self.delivery.unsettled
+
+    @property
+    def let_go(self) -> bool:
+        """Released, and nothing it started can still touch a receiver's memory."""
+        return self.released and not self.unsettled
 
     async def wait_released(self) -> None:
         await self._released.wait()
@@ -181,15 +227,26 @@ class RegistryStatistics:
     completed: int
     failed: int
     aborted: int
+    release_errors: int = 0  # a delivery's aclose raised a bug (logged with its traceback)
+    release_timeouts: int = 0  # a delivery's aclose ran past CLOSE_TIMEOUT
+    unsettled: int = 0  # released scopes with a write that may still land (see RequestScope.unsettled)
 
 
 class ScopeRegistry:
-    """The table of live request scopes of one encoder."""
+    """The table of live request scopes of one encoder.
+
+    Beside them it remembers released scopes whose writes may still land in a
+    receiver's memory (``unsettled``), so that an ``/abort`` naming one hears
+    that it has not let go, rather than a 404 the receiver would take for
+    "nothing of yours is held".
+    """
 
     def __init__(self) -> None:
         self._live: dict[Key, RequestScope] = {}
+        self._unsettled: list[RequestScope] = []
         self._started = 0
         self._ended = {Phase.DELIVERED: 0, Phase.FAILED: 0, Phase.ABORTED: 0}
+        self._close_failures = {"error": 0, "timeout": 0}
         self._idle = trio.Event()
         self._idle.set()
 
@@ -205,11 +262,27 @@ class ScopeRegistry:
         return scope
 
     def _release(self, scope: RequestScope) -> None:
-        del self._live[scope.key]
-        assert scope.ending is not None, "a scope ends before it is released"
-        self._ended[scope.ending] += 1
+        if self._live.get(scope.key) is scope:
+            del self._live[scope.key]
+        if scope.ending is not None:
+            self._ended[scope.ending] += 1
+        if scope.close_failure is not None:
+            self._close_failures[scope.close_failure] += 1
+        if scope.unsettled:
+            self._remember_unsettled(scope)
         if not self._live:
             self._idle.set()
+
+    def _remember_unsettled(self, scope: RequestScope) -> None:
+        self._prune_settled()
+        self._unsettled.append(scope)
+        if len(self._unsettled) > MAX_UNSETTLED:
+            forgotten = self._unsettled.pop(0)
+            log.warning("%r is forgotten while its write may still land (over %d such scopes)",
+                        forgotten, MAX_UNSETTLED)
+
+    def _prune_settled(self) -> None:
+        self._unsettled = [s for s in self._unsettled if s.unsettled]
 
     def get(self, key: Key) -> RequestScope:
         try:
@@ -218,13 +291,18 @@ class ScopeRegistry:
             raise UnknownRequestError(f"no live request {key[0]!r} part {key[1]}", req_id=key[0]) from None
 
     def abort(self, req_id: str, part_idx: int | None, reason: EPDError) -> list[RequestScope]:
-        """Cancel the matching scopes and return them (404 when none)."""
-        hits = [s for k, s in self._live.items()
-                if k[0] == req_id and (part_idx is None or k[1] == part_idx)]
-        if not hits:
-            raise UnknownRequestError(f"no live request {req_id!r}", req_id=req_id)
+        """Cancel the matching scopes and return them, with the released ones whose
+        writes may still land (404 when there are none of either)."""
+        def matches(key: Key) -> bool:
+            return key[0] == req_id and (part_idx is None or key[1] == part_idx)
+
+        self._prune_settled()
+        hits = [s for k, s in self._live.items() if matches(k)]
         for scope in hits:
             scope.abort(reason)
+        hits += [s for s in self._unsettled if matches(s.key)]
+        if not hits:
+            raise UnknownRequestError(f"no live request {req_id!r}", req_id=req_id)
         return hits
 
     def cancel_all(self, reason: EPDError) -> None:
@@ -239,8 +317,11 @@ class ScopeRegistry:
         return [scope.statistics() for scope in self._live.values()]
 
     def statistics(self) -> RegistryStatistics:
+        self._prune_settled()
         return RegistryStatistics(len(self._live), self._started, self._ended[Phase.DELIVERED],
-                                  self._ended[Phase.FAILED], self._ended[Phase.ABORTED])
+                                  self._ended[Phase.FAILED], self._ended[Phase.ABORTED],
+                                  self._close_failures["error"], self._close_failures["timeout"],
+                                  len(self._unsettled))
 
     def __repr__(self) -> str:
         s = self.statistics()

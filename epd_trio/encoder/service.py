@@ -1,10 +1,10 @@
 """The encoder service: the protocol-neutral runtime that every face calls.
 
-A face (the native HTTP app today) parses its protocol, builds nothing but
+A face (native HTTP, SGLang, gRPC) parses its protocol, builds nothing but
 the request, and calls ``encode`` / ``send`` / ``abort`` / ``check_health`` /
 ``statistics``. Each accepted request becomes a **request scope**
-(``encoder.scope``) run by ``_lifecycle`` in the service's request nursery
-(DESIGN §3), and its embedding leaves through a **delivery**
+(``encoder.scope``) run by ``_lifecycle`` in the service's request nursery,
+and its embedding leaves through a **delivery**
 (``epd_trio.delivery``) built from the request by ``delivery_for``. The
 lifecycle never names a backend: what differs between transports is behind
 the delivery's three calls.
@@ -47,7 +47,7 @@ from epd_trio.errors import (
 )
 from epd_trio.protocol.requests import EncodeMeta, EncodeRequest
 
-__all__ = ["EncoderService", "Health", "open_encoder_service"]
+__all__ = ["AbortResult", "EncoderService", "Health", "open_encoder_service"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,19 @@ class Health:
     @property
     def healthy(self) -> bool:
         return self.status == "ok"
+
+
+@dataclass(frozen=True)
+class AbortResult:
+    """What ``/abort`` answers: how many parts it matched, and whether they have all let go.
+
+    ``released`` is true once every matched part has been released and no write
+    it started can still land in its receiver's memory: only then may the
+    receiver reuse that memory.
+    """
+
+    aborted: int
+    released: bool
 
 
 def _meta(request: EncodeRequest, modality: str, token_counts: Any, grid_thw: Any, dim: int,
@@ -134,6 +147,7 @@ class EncoderService:
         except EPDError as exc:  # refused before a scope existed (a scope counts its own outcome)
             self.metrics.request(request.modality, exc)
             raise
+        delivery.admitted()  # only now: a refused duplicate changes nothing
         # start_soon, not start: the scope task begins in the request nursery, never
         # in this caller's context, so a caller cancelled now only aborts it.
         self._nursery.start_soon(self._lifecycle, scope, name=f"request {request.req_id}")
@@ -158,18 +172,19 @@ class EncoderService:
                                req_id=req_id)
         return await delivery.take_order(session, address, length, **order)
 
-    async def abort(self, req_id: str, part_idx: int | None) -> int:
-        """Cancel the matching scopes; pulled deliveries are waited for (bounded).
+    async def abort(self, req_id: str, part_idx: int | None) -> AbortResult:
+        """Cancel the matching scopes and wait (up to ``send_timeout``) until they are released.
 
-        Such a scope may be writing into the receiver's memory: the answer to
-        ``/abort`` is the receiver's signal that it may reuse that memory.
+        A scope may be writing into its receiver's memory (Mooncake): the
+        answer's ``released`` is the receiver's signal that it may reuse that
+        memory, and is false when the wait ran out first or a write may still
+        land (404 only when no part is live and none may still write).
         """
         scopes = self.registry.abort(req_id, part_idx, AbortedError("aborted by /abort", req_id=req_id))
         with trio.move_on_after(self.config.send_timeout):
             for scope in scopes:
-                if isinstance(scope.delivery, PulledDelivery):
-                    await scope.wait_released()
-        return len(scopes)
+                await scope.wait_released()
+        return AbortResult(len(scopes), all(scope.let_go for scope in scopes))
 
     async def check_health(self) -> Health:
         if self.draining:

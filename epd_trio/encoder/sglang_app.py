@@ -32,8 +32,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from epd_trio._http import (JoinedBodyRequest, Reply, as_response, json_reply, json_response,
-                            parse_json_off_loop, with_allow)
+from epd_trio._http import Reply, as_response, json_reply, json_response, parse_json_off_loop, with_allow
 from epd_trio.encoder.app import access_control, add_shared_routes, bare_routes
 from epd_trio.encoder.asgi_route import BareRoutes, Handler, UntilGone, cancelled_when_gone
 from epd_trio.encoder.profiling import parse_profile_request
@@ -85,7 +84,6 @@ def create_sglang_app(service: EncoderService) -> BareRoutes:
     """One app per service: no module-level state. The data path's routes are served in
     front of Quart, as the native face's are (``encoder.asgi_route``)."""
     app = QuartTrio(__name__)
-    app.request_class = JoinedBodyRequest  # large bodies copied once, not per chunk
     app.config["MAX_CONTENT_LENGTH"] = service.config.max_body_bytes
     app.config["BODY_TIMEOUT"] = service.config.request_timeout
     access_control(app, service.config)

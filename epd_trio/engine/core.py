@@ -166,11 +166,11 @@ class Engine:
         self._fingerprint = "|".join(map(str, (
             encoder.family, encoder.model_dir.resolve(), encoder.dtype, config.video_fps,
             config.video_min_frames, config.video_max_frames)))
-        self._preprocess_limiter = trio.CapacityLimiter(config.preprocess_workers)
         self._preprocessing = 0
         # How blocking work reaches a thread (open_engine gives its preprocessing thread lane);
         # epd_trio.testing can run it inline so that MockClock tests stay deterministic.
-        self.run_sync: RunSync = functools.partial(trio.to_thread.run_sync, limiter=self._preprocess_limiter)
+        self.run_sync: RunSync = functools.partial(
+            trio.to_thread.run_sync, limiter=trio.CapacityLimiter(config.preprocess_workers))
         self.preprocess_step: PreprocessStep = self._preprocess_in_thread
         # --preprocess-mode process: open_engine sets the pool and routes preprocess_step to it.
         self.preprocess_pool: PreprocessPool | None = None
@@ -225,11 +225,6 @@ class Engine:
             if pre is not None:
                 embedding = await self.dispatcher.submit(pre)
             return plan.finish(pre, embedding)
-
-    async def preprocess(self, items: Sequence[Any], modality: str) -> PreprocessResult:
-        """Fetch and preprocess; callers hold an admission slot (``admission.enter``)."""
-        modality = self._check_modality(modality)
-        return await self._process(await self._load(items), modality)
 
     def _check_modality(self, modality: str) -> str:
         modality = normalize_modality(modality)

@@ -23,13 +23,16 @@ What crosses the boundary, and which way:
   unpickled in the parent.
 
 The pool is owned by ``open_preprocess_pool`` (an ``async with``): leaving it
-cancels queued work, waits for running items and ends every child; no segment
-outlives it. Children are *spawned* (no fork of a threaded, CUDA-aware parent).
+cancels queued work, gives running items ``shutdown_grace`` seconds, then
+terminates the children still working (a child stuck in a decode cannot hold
+the engine's exit) and, if one ignores that too, kills it; no segment outlives
+it. Children are *spawned* (no fork of a threaded, CUDA-aware parent).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import multiprocessing
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import CancelledError, Future, ProcessPoolExecutor
@@ -51,11 +54,16 @@ from epd_trio.model.media import MediaLimits
 
 __all__ = ["PoolSpec", "PoolStatistics", "PreprocessPool", "open_preprocess_pool"]
 
+log = logging.getLogger(__name__)
+
 # Two calls per child in the pool: while the parent takes one answer, the child already
 # works on the next, so it never idles for the round trip (JPEG 448 on 2 cores: 381 against
 # 323 img/s with one child). A slot each, and a third the parent is still reading.
 CALLS_PER_WORKER = 2
 SLOTS_PER_WORKER = CALLS_PER_WORKER + 1
+# Seconds running items get to finish when the pool closes, before their children are
+# terminated; then as long again after a terminate, before a kill.
+SHUTDOWN_GRACE = 5.0
 
 
 @dataclass(frozen=True)
@@ -205,9 +213,10 @@ class PreprocessPool:
     takes its last answer; the rest wait in trio, where cancelling them costs nothing.
     """
 
-    def __init__(self, spec: PoolSpec, workers: int) -> None:
+    def __init__(self, spec: PoolSpec, workers: int, *, shutdown_grace: float = SHUTDOWN_GRACE) -> None:
         self.spec = spec
         self.workers = workers
+        self.shutdown_grace = shutdown_grace
         self._limiter = trio.CapacityLimiter(CALLS_PER_WORKER * workers)
         self._arena = SegmentArena(SLOTS_PER_WORKER * workers)
         self._executor = self._new_executor()
@@ -288,10 +297,34 @@ class PreprocessPool:
             self._retired.append(broken)  # its manager ends the other children; aclose joins it
 
     async def aclose(self) -> None:
-        """Cancel queued work, wait for running items (their segments are unlinked), end the children."""
-        for executor in (*self._retired, self._executor):
-            await trio.to_thread.run_sync(functools.partial(
-                executor.shutdown, wait=True, cancel_futures=True))
+        """Cancel queued work, give running items ``shutdown_grace`` seconds (their segments
+        are unlinked), then end the children still working: terminated, then killed."""
+        executors = (*self._retired, self._executor)
+        processes = [p for executor in executors for p in _processes(executor)]
+        shut_down = trio.Event()
+
+        async def shut_down_all() -> None:  # the executors' own joins: children and results
+            for executor in executors:
+                await trio.to_thread.run_sync(functools.partial(
+                    executor.shutdown, wait=True, cancel_futures=True), abandon_on_cancel=True)
+            shut_down.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(shut_down_all)
+            for stop in ("terminate", "kill", None):
+                with trio.move_on_after(self.shutdown_grace):
+                    await shut_down.wait()
+                if shut_down.is_set() or stop is None:
+                    break
+                alive = [p for p in processes if p.is_alive()]
+                log.warning("%d preprocessing process(es) still running %g s after the pool "
+                            "began to close: %s", len(alive), self.shutdown_grace, stop)
+                for process in alive:
+                    getattr(process, stop)()
+            if not shut_down.is_set():
+                log.error("the preprocessing pool did not shut down after its children were "
+                          "killed; its threads are left to end alone")
+                nursery.cancel_scope.cancel()
         self._arena.close()  # no child is left to write into a slot
 
     def statistics(self) -> PoolStatistics:
@@ -307,10 +340,17 @@ class PreprocessPool:
                 f"{s.slot_misses} misses, {s.slot_bytes >> 20} MiB>")
 
 
+def _processes(executor: ProcessPoolExecutor) -> list[multiprocessing.process.BaseProcess]:
+    """The executor's child processes (Python 3.14 adds ``terminate_workers``; before it the
+    executor keeps them in ``_processes``, None once it has shut down)."""
+    return list((getattr(executor, "_processes", None) or {}).values())
+
+
 @asynccontextmanager
-async def open_preprocess_pool(spec: PoolSpec, workers: int) -> AsyncIterator[PreprocessPool]:
+async def open_preprocess_pool(spec: PoolSpec, workers: int, *,
+                               shutdown_grace: float = SHUTDOWN_GRACE) -> AsyncIterator[PreprocessPool]:
     """A started pool of ``workers`` processes for the duration of the block."""
-    pool = PreprocessPool(spec, workers)
+    pool = PreprocessPool(spec, workers, shutdown_grace=shutdown_grace)
     try:
         await pool.start()
         yield pool

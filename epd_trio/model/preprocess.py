@@ -75,7 +75,7 @@ class EncoderPreprocessor:
 
     def preprocess(self, items: Sequence[Any], modality: str,
                    indices: Sequence[int] | None = None) -> PreprocessResult:
-        """Blocking; call through ``trio.to_thread.run_sync``.
+        """Blocking; call it on a worker thread (the engine's preprocessing lane) or in a child process.
 
         ``indices`` are the items' places in their request when ``items`` is a
         subset of it (the embedding cache's misses), so that errors name them.

@@ -1,7 +1,6 @@
 """One admission bound for all devices, and least-pending dispatch over their schedulers.
 
-Data parallel (DESIGN §4): one ``EncoderWorker`` and one ``Scheduler`` per
-device, all behind one ``Admission`` bound (``max_pending`` counts requests,
+Data parallel: one ``EncoderWorker`` and one ``Scheduler`` per device, all behind one ``Admission`` bound (``max_pending`` counts requests,
 whichever device they end up on). A request is preprocessed once, then handed
 to the live scheduler with the fewest requests pending; ties rotate, so
 sequential requests spread over the devices too.

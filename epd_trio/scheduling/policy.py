@@ -3,7 +3,7 @@
 No trio and no clock here: the scheduler loop passes ``now`` in, so the policy
 is tested with plain tables and the loop with ``MockClock``.
 
-Rules (DESIGN §4): take the oldest request; then, in arrival order, up to
+Rules: take the oldest request; then, in arrival order, up to
 ``max_batch_size - 1`` more of the same modality while the tokens stay within
 ``max_batch_tokens`` (the oldest is always taken, even alone over budget, so a
 large request cannot starve). Modalities in ``solo_modalities`` (video: its

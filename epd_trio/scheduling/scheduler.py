@@ -1,14 +1,15 @@
 """The scheduler loop: admission, a bounded memory channel, and the GPU thread.
 
 Callers are admitted against ``max_pending`` (a refusal is immediate: 503; with
-several devices the ``Admission`` is shared), preprocess, then hand a ``Job``
-over a memory channel to one loop task. The loop asks the pure policy what to
-run and runs it in the device's worker thread through
-``trio.to_thread.run_sync(..., limiter=CapacityLimiter(1))``.
+several devices the ``Admission`` is shared), preprocess, then put a ``Job`` in
+the scheduler's queue and wake its one loop task. The loop asks the pure policy
+what to run and runs it in the device's worker thread (``run_sync``: the
+engine's thread lane for the device, one thread).
 
-A caller that leaves (cancelled) marks its job abandoned: a queued job is
-dropped before the forward, a running job's share is dropped when the batch
-returns; other jobs in the batch are unaffected. A failed batch is retried one
+A caller that leaves (cancelled) takes its job out of the queue at once, so no
+payload outlives its caller and the queue never holds more jobs than callers
+wait; a running job's share is dropped when the batch returns; other jobs in
+the batch are unaffected. A failed batch is retried one
 request at a time so one bad input fails alone. When the loop stops, every
 job still waiting gets ``NotReadyError``: no caller is left hanging.
 
@@ -63,10 +64,6 @@ class Observer(Protocol):
         """A forward of ``size`` requests, ``tokens`` output rows, ran on ``worker``."""
 
 
-# Requests that skip admission (health probes) need channel room of their own.
-_BYPASS_HEADROOM = 8
-
-
 @dataclass(eq=False)
 class Job:
     key: int
@@ -109,8 +106,7 @@ class Scheduler:
 
     def __init__(
         self, forward: Forward, policy: BatchPolicy, *, max_pending: int = 256,
-        device_limiter: trio.CapacityLimiter | None = None, admission: Admission | None = None,
-        index: int = 0, observers: list[Observer] | None = None,
+        admission: Admission | None = None, index: int = 0, observers: list[Observer] | None = None,
         batch_learning: BatchCapSettings | None = None,
     ) -> None:
         if max_pending < 1:
@@ -123,12 +119,13 @@ class Scheduler:
         self.observers = observers if observers is not None else []  # shared with the engine
         self.dead: str | None = None  # why the device failed; None while it serves
         self.pending = 0  # callers waiting in submit(): the dispatcher's load measure
-        self._limiter = device_limiter or trio.CapacityLimiter(1)
-        # Sized so that send_nowait never blocks: admission already bounds
-        # how many jobs can exist (backpressure happens there, as a 503).
-        self._send, self._recv = trio.open_memory_channel[Job](max_pending + _BYPASS_HEADROOM)
         self._keys = itertools.count()
+        # Jobs waiting for a forward, oldest first. Unbounded on purpose: each has a caller
+        # waiting in submit(), and admission bounds those (backpressure is its 503); a caller
+        # that leaves takes its job out, so this holds no more than the callers still waiting.
         self._queue: dict[int, Job] = {}
+        self._arrived = trio.Event()  # set when a job is queued; the loop waits on it when idle
+        self._stopped = False
         self._inflight: list[Job] = []
         self._running = 0
         self._done = self._failed = self._dropped = self._batches = self._retried = 0
@@ -136,7 +133,8 @@ class Scheduler:
         self._learning = batch_learning  # None: batches fill to the policy's ceilings
         self._learners: dict[str, BatchCapLearner] = {}
         # How a forward reaches the device's thread: the engine gives its device's thread lane.
-        self.run_sync: RunSync = functools.partial(trio.to_thread.run_sync, limiter=self._limiter)
+        self.run_sync: RunSync = functools.partial(trio.to_thread.run_sync,
+                                                   limiter=trio.CapacityLimiter(1))
 
     # ---- caller side ------------------------------------------------------
     @contextmanager
@@ -152,13 +150,11 @@ class Scheduler:
         """
         if self.dead is not None:
             raise JobNotRun(f"device worker {self.index} has failed: {self.dead}")
+        if self._stopped:
+            raise NotReadyError("the scheduler has stopped")
         job = Job(next(self._keys), payload, trio.current_time())
-        try:
-            self._send.send_nowait(job)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            raise NotReadyError("the scheduler has stopped") from None
-        except trio.WouldBlock:  # only if admission was bypassed en masse
-            raise OverloadedError("encoder queue is full") from None
+        self._queue[job.key] = job
+        self._arrived.set()
         self.pending += 1
         try:
             await job.done.wait()
@@ -166,13 +162,15 @@ class Scheduler:
             self.pending -= 1
             if not job.done.is_set():
                 job.abandoned = True
+                if self._queue.pop(job.key, None) is not None:  # not running yet: gone at once
+                    self._dropped += 1
         assert job.result is not None
         return job.result.unwrap()
 
     def statistics(self) -> SchedulerStatistics:
         return SchedulerStatistics(
             admitted=self.admission.admitted,
-            queued=len(self._queue) + self._recv.statistics().current_buffer_used,
+            queued=len(self._queue),
             running=self._running, requests_done=self._done, requests_failed=self._failed,
             requests_dropped=self._dropped, batches_run=self._batches,
             batches_retried=self._retried, redispatched=self._redispatched,
@@ -202,16 +200,20 @@ class Scheduler:
             self._fail_all_waiting()
 
     async def _next_decision(self) -> Batch | None:
-        if not self._queue:
-            self._enqueue(await self._recv.receive())
-        self._drain_channel()
+        while not self._queue:
+            await self._next_arrival()
         queue = [j.view() for j in self._queue.values()]
         decision = next_batch(queue, trio.current_time(), self.policy, self._token_caps(queue))
         if isinstance(decision, Wait):
             with trio.move_on_at(decision.until):
-                self._enqueue(await self._recv.receive())
+                await self._next_arrival()
             return None
         return decision
+
+    async def _next_arrival(self) -> None:
+        """Until a job is queued after the last look (or one already was)."""
+        await self._arrived.wait()
+        self._arrived = trio.Event()
 
     def _token_caps(self, queue: list[QueuedRequest]) -> dict[str, int]:
         if queue:
@@ -225,19 +227,6 @@ class Scheduler:
         if modality not in self._learners:
             self._learners[modality] = BatchCapLearner(self.policy.max_batch_tokens, self._learning)
         return self._learners[modality]
-
-    def _enqueue(self, job: Job) -> None:
-        self._queue[job.key] = job
-
-    def _drain_channel(self) -> None:
-        while True:
-            try:
-                self._enqueue(self._recv.receive_nowait())
-            except trio.WouldBlock:
-                break
-        for key in [k for k, j in self._queue.items() if j.abandoned]:
-            del self._queue[key]
-            self._dropped += 1
 
     async def _run_batch(self, jobs: list[Job]) -> None:
         live = [j for j in jobs if not j.abandoned]
@@ -314,7 +303,6 @@ class Scheduler:
         for job in ran:
             self._deliver(job, outcome.Error(WorkerDeadError(
                 f"device worker {self.index} failed during this request's forward: {self.dead}")))
-        self._drain_channel()
         for job in [*not_run, *self._queue.values()]:
             self._hand_back(job)
         self._queue.clear()
@@ -340,8 +328,7 @@ class Scheduler:
         job.finish(result)
 
     def _fail_all_waiting(self) -> None:
-        self._drain_channel()
-        self._recv.close()  # later submits fail at once with NotReadyError
+        self._stopped = True  # later submits fail at once with NotReadyError
         for job in [*self._inflight, *self._queue.values()]:
             if self.dead is not None:
                 self._hand_back(job)

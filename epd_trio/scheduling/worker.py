@@ -1,8 +1,8 @@
 """The device worker: one batched forward, run in a dedicated thread.
 
-``forward`` blocks; the scheduler calls it through ``trio.to_thread.run_sync``
-with a ``CapacityLimiter(1)`` per device, so one forward runs per device at a
-time. On CUDA it uses its own stream, copies inputs host→device from pinned
+``forward`` blocks; the scheduler calls it on the device's own thread lane
+(``scheduling.lane``: one thread per device), so one forward runs per device at
+a time. On CUDA it uses its own stream, copies inputs host→device from pinned
 memory without blocking, copies the output into pinned host memory and
 synchronizes an event before returning: a result handed back is always fully
 written, so delivery (ZMQ, Mooncake) can never read an unfinished buffer.

@@ -3,10 +3,10 @@
 ``FaultPlan`` injects a delay, an exception or a cancellation at named points
 of the request lifecycle. Production code has no fault branch: ``install_faults``
 wraps an owner's seams (the engine's media source, preprocessing step and
-admission; a scheduler's forward; the service's deliveries; the client's
-dispatch, gather and demultiplexer hand-off) with wrappers that ask the plan,
-one installer module per part (``engine_faults``, ``encoder_faults``,
-``client_faults``). Without a plan nothing is wrapped, so it costs nothing.
+admission; a scheduler's forward; the service's deliveries; a Mooncake
+transport's writes; the client's dispatch, gather and demultiplexer hand-off)
+with wrappers that ask the plan, one installer module per part
+(``engine_faults``, ``encoder_faults``, ``transport_faults``, ``client_faults``). Without a plan nothing is wrapped, so it costs nothing.
 Plans are installed from Python only: no flag, variable or endpoint can reach them.
 
 ``assert_quiescent`` walks every owner's ``statistics()`` and checks that each
@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 FAULT_POINTS = ("media_load", "preprocess", "admission", "forward", "send", "release",
-                "client_dispatch", "client_gather", "demux")
+                "client_dispatch", "client_gather", "demux", "write")
 
 # Statistics fields that count things alive right now; idle means 0.
 LIVE_FIELDS = frozenset({
@@ -143,7 +143,7 @@ class FaultPlan:
 
 
 def _error_for(point: str) -> Callable[[str], BaseException]:
-    if point in ("send", "client_gather", "demux"):
+    if point in ("send", "client_gather", "demux", "write"):
         return lambda p: TransportError(f"injected transport fault at {p}")
     return lambda p: InjectedFault(f"injected fault at {p}")
 
@@ -155,9 +155,10 @@ def install_faults(plan: FaultPlan | None, *owners: Any) -> None:
     engine, client): an installer wraps its owner's seams and says whether it
     knew the owner. Production code never looks for a plan.
     """
-    from epd_trio.testing import client_faults, encoder_faults, engine_faults
+    from epd_trio.testing import client_faults, encoder_faults, engine_faults, transport_faults
 
-    installers = (encoder_faults.install, engine_faults.install, client_faults.install)
+    installers = (encoder_faults.install, engine_faults.install, transport_faults.install,
+                  client_faults.install)
     for owner in owners:
         if not any(install(plan, owner) for install in installers):
             raise TypeError(f"{type(owner).__name__} has no fault injection points")

@@ -33,6 +33,9 @@ class FaultyDelivery:
         self._service = service
         self._request = request
 
+    def admitted(self) -> None:
+        self.inner.admitted()
+
     def sized(self, meta: EncodeMeta) -> Answer | None:
         return self.inner.sized(meta)
 
@@ -68,6 +71,11 @@ class FaultyPulledDelivery(FaultyDelivery):
     async def take_order(self, session: str, address: int, length: int, **order: Any) -> int:
         assert isinstance(self.inner, PulledDelivery)
         return await self.inner.take_order(session, address, length, **order)
+
+    @property
+    def unsettled(self) -> bool:
+        assert isinstance(self.inner, PulledDelivery)
+        return self.inner.unsettled
 
 
 def install(plan: FaultPlan | None, owner: Any) -> bool:

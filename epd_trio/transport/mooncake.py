@@ -13,7 +13,12 @@ Every blocking call has a bound: ``initialize`` runs under ``start_timeout`` in
 a thread a cancellation abandons (it holds nothing of ours); a write's caller
 waits at most its ``timeout`` plus ``_SETTLE_LIMIT``; a submit still running
 when the transport closes is abandoned, and its thread waits for its own write
-(at most ``_REAP_LIMIT``) holding the source alive.
+(at most ``_REAP_LIMIT``) holding the source alive; an unregistration waits at
+most ``_UNREGISTER_LIMIT`` (past it the region is counted as still registered,
+``stuck_unregisters``, and its thread is left to end alone). A write left
+running past its caller's bound is *unsettled* until the engine reports it
+finished: ``still_writing(peer, remote)`` says so, so that nobody tells that
+peer it may reuse the memory before then.
 
 Both packages, ``mooncake-transfer-engine`` (CUDA hosts) and
 ``mooncake-transfer-engine-non-cuda`` (with Debian's ``libibverbs1``), install
@@ -55,6 +60,7 @@ _POLL_MAX = 0.02  # seconds between looks at a long write
 # _REAP_LIMIT more, before giving up on the engine and logging the leak.
 _SETTLE_LIMIT = 10.0
 _REAP_LIMIT = 600.0
+_UNREGISTER_LIMIT = 10.0  # seconds a release waits for the engine to unregister a region
 START_TIMEOUT = 60.0  # seconds ``initialize`` may take (RDMA discovery is the slow part)
 LIBRARY_LOG_LEVEL = "WARNING"  # the engine's glog level unless MC_LOG_LEVEL says otherwise
 
@@ -79,6 +85,8 @@ class MooncakeStatistics:
     failures: int
     timeouts: int
     reaping: int
+    unsettled_writes: int = 0  # left running past their caller's bound, not yet seen to end
+    stuck_unregisters: int = 0  # regions whose unregistration ran past its bound
 
 
 @dataclass(frozen=True)
@@ -108,10 +116,14 @@ class _Write:
 
 
 class MooncakeTransport:
-    """One transfer engine; open it with ``open_mooncake``."""
+    """One transfer engine; open it with ``open_mooncake``.
+
+    ``engine`` is the seam tests wrap (``epd_trio.testing.transport_faults``): a
+    fault plan's ``write`` point, or writes held until a test lets them go.
+    """
 
     def __init__(self, engine: Any, host: str, nursery: trio.Nursery, max_threads: int) -> None:
-        self._engine = engine
+        self.engine = engine  # the transfer engine; a seam epd_trio.testing wraps
         self.session = f"{host}:{engine.get_rpc_port()}"
         self._nursery = nursery
         self._limiter = trio.CapacityLimiter(max_threads)  # register, unregister
@@ -120,11 +132,13 @@ class MooncakeTransport:
         self._regions: dict[int, int] = {}
         self._held: dict[int, int] = {}  # region → timed-out writes still reading it
         self._deferred: set[int] = set()  # released by their owner while still held
+        self._unsettled: dict[tuple[str, int], int] = {}  # (peer, remote) → orphaned writes there
         self._writes = self._bytes = self._failures = self._timeouts = self._reaping = 0
+        self._stuck_unregisters = 0
 
     # ---- memory -------------------------------------------------------------
     async def register(self, address: int, nbytes: int) -> Registration:
-        rc = await trio.to_thread.run_sync(self._engine.register_memory, address, nbytes,
+        rc = await trio.to_thread.run_sync(self.engine.register_memory, address, nbytes,
                                            limiter=self._limiter)
         if rc != 0:
             raise TransportError(f"mooncake could not register {nbytes} bytes at {address:#x} ({rc})")
@@ -138,11 +152,20 @@ class MooncakeTransport:
         await self._unregister(registration.address)
 
     async def _unregister(self, address: int) -> None:
-        if self._regions.pop(address, None) is None:
+        if address not in self._regions:
             return
-        with trio.CancelScope(shield=True):  # a release must complete
-            await trio.to_thread.run_sync(self._engine.unregister_memory, address,
-                                          limiter=self._limiter)
+        # A release must complete (shielded), but an engine that does not answer cannot
+        # hold it: past the bound its thread is left to end alone.
+        with trio.CancelScope(shield=True) as unregistering:
+            unregistering.deadline = trio.current_time() + _UNREGISTER_LIMIT
+            await trio.to_thread.run_sync(self.engine.unregister_memory, address,
+                                          limiter=self._limiter, abandon_on_cancel=True)
+        if unregistering.cancelled_caught:
+            self._stuck_unregisters += 1
+            log.error("mooncake did not unregister the region at %#x within %g s; it is "
+                      "counted as still registered", address, _UNREGISTER_LIMIT)
+            return
+        del self._regions[address]
 
     @asynccontextmanager
     async def registered(self, address: int, nbytes: int) -> AsyncIterator[Registration]:
@@ -221,7 +244,7 @@ class MooncakeTransport:
     def _submit_in_thread(self, job: _Write) -> int:
         """The blocking submit; abandoned meanwhile, wait here for the write (``job`` keeps the source alive)."""
         try:
-            batch = int(self._engine.transfer_submit_write(job.peer, job.local, job.remote, job.nbytes))
+            batch = int(self.engine.transfer_submit_write(job.peer, job.local, job.remote, job.nbytes))
         except Exception as exc:  # the binding's own error: typed, for the caller
             raise TransportError(f"mooncake could not submit a write to {job.peer}: {exc}") from exc
         with job.lock:
@@ -229,7 +252,7 @@ class MooncakeTransport:
             abandoned = job.abandoned
         if abandoned and batch > 0:
             deadline = time.monotonic() + _REAP_LIMIT  # a worker thread: trio's clock is not ours here
-            while time.monotonic() < deadline and self._engine.transfer_check_status(batch) == _PENDING:
+            while time.monotonic() < deadline and self.engine.transfer_check_status(batch) == _PENDING:
                 time.sleep(_POLL_MAX)
         return batch
 
@@ -238,7 +261,7 @@ class MooncakeTransport:
 
         def done() -> bool:
             nonlocal status
-            status = self._engine.transfer_check_status(batch)
+            status = self.engine.transfer_check_status(batch)
             return bool(status != _PENDING)
 
         await poll_until(done, max_pause=_POLL_MAX)
@@ -262,13 +285,25 @@ class MooncakeTransport:
         job.region = self._region_of(job.local)  # held before our caller's finally can unregister it
         self._held[job.region] = self._held.get(job.region, 0) + 1
         self._reaping += 1
+        target = (job.peer, job.remote)
+        self._unsettled[target] = self._unsettled.get(target, 0) + 1
+
+    def still_writing(self, peer: str, remote: int) -> bool:
+        """A write to ``peer``'s ``remote`` was left running past its bound and has not been
+        seen to end: the peer must not reuse that memory yet."""
+        return (peer, remote) in self._unsettled
 
     async def _release(self, job: _Write) -> None:
         """An orphaned write's task has ended: let its source region go, unless the engine still may read it."""
         self._reaping -= 1
         if job.abandoned or (job.batch is not None and job.batch > 0 and job.status == _PENDING):
+            # It may still land: it stays unsettled, and its source registered.
             log.error("mooncake write to %s never finished; its source stays registered", job.peer)
             return
+        target = (job.peer, job.remote)
+        self._unsettled[target] -= 1
+        if not self._unsettled[target]:
+            del self._unsettled[target]
         self._held[job.region] -= 1
         if not self._held[job.region]:
             del self._held[job.region]
@@ -293,7 +328,8 @@ class MooncakeTransport:
     def statistics(self) -> MooncakeStatistics:
         return MooncakeStatistics(self.session, len(self._regions), sum(self._regions.values()),
                                   self._writes, self._bytes, self._failures, self._timeouts,
-                                  self._reaping)
+                                  self._reaping, sum(self._unsettled.values()),
+                                  self._stuck_unregisters)
 
     def __repr__(self) -> str:
         s = self.statistics()

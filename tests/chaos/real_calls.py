@@ -49,6 +49,7 @@ class ScenarioReport:
     clean_latencies: list[float] = field(default_factory=list)
     violations: list[tuple[str, str]] = field(default_factory=list)
     elapsed: float = 0.0
+    replay: str = ""  # how to run this seed again, when not test_chaos_real's way
 
     @property
     def tag(self) -> str:
@@ -76,7 +77,8 @@ class ScenarioReport:
                                          f"{' ' + str(c.status) if c.status else ''} {c.elapsed:.3f}s"
                                          for c in self.calls)]
         lines += [f"  {category}: {message}" for category, message in self.violations]
-        lines.append(f"  replay: EPD_CHAOS_SEED={self.seed} pytest tests/chaos/test_chaos_real.py"
+        lines.append(f"  replay: {self.replay}" if self.replay else
+                     f"  replay: EPD_CHAOS_SEED={self.seed} pytest tests/chaos/test_chaos_real.py"
                      f" (a soak seed: tools/chaos_soak.py --replay {self.seed} --parallel 1)")
         return "\n".join(lines)
 

@@ -115,6 +115,7 @@ async def test_five_images_over_two_encoders_are_stitched_in_order(make: Callabl
             assert result.token_counts["image"] == [it.token_count for it in result.items]
             assert client.statistics().pool.slots == 1
         assert result.released
+        del image, it  # views this test kept: until they go, their bytes stay out of the pool
         s = client.statistics()
         assert (s.requests_done, s.requests_failed, s.messages_received, s.messages_dropped) == \
             (1, 0, 2, 0)
@@ -151,6 +152,7 @@ async def test_modalities_are_laid_out_modality_major_with_their_own_dtypes(make
                 {"mel_frames": v} for v in extras_of(auds, "audio")["mel_frames"]]
             starts = [result.embeddings[m].data_ptr() for m in ("image", "video", "audio")]
             assert starts == sorted(starts)
+        del audio  # a view this test kept: until it goes, its bytes stay out of the pool
         assert_clean(client)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import trio
 import pytest
 import torch
 
@@ -56,3 +57,31 @@ async def test_an_answer_larger_than_the_pool_could_hold_is_not_read_whole(decla
             await client.encode({"image": [png_bytes(8, 8)]})
         assert client.statistics().requests_live == 0
     assert declared or len(sent) <= 3  # read up to the cap (pool + 1 MiB), then let go
+
+
+async def test_a_kept_tensor_outlives_its_result_unchanged(encoder: Any) -> None:
+    """A user keeps one item's tensor (a view into the pool) and drops the result: the
+    pool counts the leak but hands that memory to no later request."""
+    import gc
+
+    first, later = png_bytes(56, 56, seed=1), [png_bytes(56, 56, seed=s) for s in (2, 3, 4)]
+    async with encoder() as (server, _):
+        async with open_encoder_client(encoder_urls=[server.url], transfer_backend="inline",
+                                       pool_bytes=64 * 1024) as client:
+            result = await client.encode({"image": [first]})
+            kept, expected = result.items[0].embedding, result.items[0].embedding.clone()
+            size = result.slot.size
+            del result
+            gc.collect()
+            for image in later:  # each the same size as the first: first fit would reuse its bytes
+                async with await client.encode({"image": [image]}) as other:
+                    assert other.slot.offset >= size  # never where `kept` lives
+                    assert not torch.equal(other.items[0].embedding, expected)
+                assert not other.items and not other.embeddings  # the result let go of its views
+            assert torch.equal(kept, expected)
+            pool = client.pool.statistics()
+            assert (pool.leaked, pool.view_held, pool.used_bytes) == (1, 1, size), pool
+            del kept
+            with trio.fail_after(5):
+                while client.pool.statistics().used_bytes:
+                    await trio.sleep(0.01)

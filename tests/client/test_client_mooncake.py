@@ -135,6 +135,7 @@ async def test_mooncake_equals_zmq_and_inline_and_lands_contiguous_in_one_slot(
             grouping = [(p.encoder_url, [IMAGES[i] for i in p.item_indices]) for p in result.parts]
             mooncake_out = got.clone()
             counts = result.token_counts["image"]
+        del got  # a view this test kept: until it goes, its bytes stay out of the pool
         stats = client.statistics()
         assert stats.mooncake.registered_regions == 1 and stats.messages_received == 0
         assert_clean(client)
@@ -285,6 +286,30 @@ async def test_an_unconfirmed_abort_holds_the_slot_before_the_pool_reuses_it(
     async with httpx.AsyncClient(timeout=5) as http:  # the encoder still waits for that /send
         assert (await http.post(f"{encoder_urls[0]}/abort", json={"req_id": "held"})).status_code == 200
     await wait_encoders_released(encoder_urls)
+
+
+async def test_an_abort_answered_before_the_write_stopped_holds_the_slot(encoder: Any) -> None:
+    """The encoder answers the /abort before its write has stopped (``released: false``):
+    the client takes that as unconfirmed and holds the slot for ``abort_hold``, so the write
+    that lands afterwards lands in memory no other request has been given."""
+    from epd_trio.testing.transport_faults import held_writes
+
+    async with encoder(transfer_backend="mooncake", send_timeout=0.5) as (server, _), \
+            mooncake_client([server.url], abort_hold=2.0) as client:
+        with held_writes(server.service.deliveries.mooncake) as gate:
+            with pytest.raises(EncodeTimeout):  # the write is held: the request runs out
+                await client.encode({"image": IMAGES[:1]}, timeout=3.0)
+            assert gate.held == 1
+            held = client.statistics()
+            assert held.slots_held_after_abort == 1 and held.aborts_sent == 1, held
+            assert client.router.statistics().aborts_unreleased == 1
+            assert held.pool.slots == 1  # not handed to the next request
+        with trio.fail_after(10):  # the gate is open: the late write lands, then the hold ends
+            while client.pool.statistics().slots:
+                await trio.sleep(0.05)
+        assert_clean(client)
+        async with await client.encode({"image": IMAGES[:1]}) as result:  # still fine
+            assert result.embeddings["image"].shape[1] == 40
 
 
 async def test_without_the_package_the_client_says_what_to_install(

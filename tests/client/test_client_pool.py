@@ -63,6 +63,79 @@ async def test_views_alias_the_slot_bytes() -> None:
     assert slot.released
     with pytest.raises(RuntimeError, match="released"):
         slot.view(torch.float32, (1,))
+    s = pool.statistics()  # the views still show the bytes: the range stays out of the allocator
+    assert (s.used_bytes, s.view_held, s.released) == (64, 1, 1), s
+    del f32, bf, raw
+    await trio.testing.wait_all_tasks_blocked()  # the last view's death frees the range in the loop
+    assert_idle(pool)
+    assert pool.statistics().view_held == 0
+
+
+async def test_a_kept_view_is_never_handed_to_the_next_slot() -> None:
+    """A tensor kept after its slot was released keeps its bytes: the next slots go
+    elsewhere, or wait until the tensor dies; the tensor is never written through."""
+    pool = EmbeddingPool(2 * KiB)
+    slot = await pool.acquire(KiB)
+    kept = slot.view(torch.float32, (KiB // 4,))
+    kept.fill_(7.0)
+    slot.release()
+    second = await pool.acquire(KiB)
+    assert second.offset == KiB  # not at 0, where `kept` still shows its bytes
+    second.bytes().fill_(0)
+    with pytest.raises(OverloadedError):
+        await pool.acquire(KiB, timeout=1.0)
+    got = trio.Event()
+
+    async def next_request() -> None:
+        async with pool.reserve(KiB) as later:
+            assert later.offset == 0
+            later.bytes().fill_(0)
+            got.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(next_request)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not got.is_set() and pool.statistics().waiters == 1
+        assert torch.equal(kept, torch.full((KiB // 4,), 7.0))
+        del kept  # the last view: the range goes back, the waiter is served
+        with trio.fail_after(5):
+            await got.wait()
+    second.release()
+    assert_idle(pool)
+
+
+async def test_a_dropped_slot_whose_view_is_kept_counts_a_leak_and_frees_with_the_view(
+        caplog: pytest.LogCaptureFixture) -> None:
+    pool = EmbeddingPool(KiB)
+    slot = await pool.acquire(512)
+    kept = slot.bytes()
+    kept.fill_(3)
+    with caplog.at_level(logging.WARNING, logger="epd_trio.client.pool"):
+        del slot
+        gc.collect()
+        await trio.testing.wait_all_tasks_blocked()
+    s = pool.statistics()
+    assert (s.leaked, s.slots, s.used_bytes, s.view_held) == (1, 1, 512, 1), s
+    async with pool.reserve(512) as second:  # the other half: it never overlaps `kept`
+        second.bytes().fill_(9)
+        assert second.offset == 512
+    assert bool((kept == 3).all())
+    del kept
+    await trio.testing.wait_all_tasks_blocked()
+    assert_idle(pool)
+    assert "never released" in caplog.text
+
+
+async def test_a_view_that_dies_in_another_thread_frees_its_range_in_the_trio_loop() -> None:
+    pool = EmbeddingPool(KiB)
+    slot = await pool.acquire(KiB)
+    box = [slot.view(torch.int32, (4,), offset=64)]
+    slot.release()
+    assert pool.statistics().used_bytes == KiB
+    await trio.to_thread.run_sync(box.clear)  # the view's last reference dies over there
+    with trio.fail_after(5):
+        while pool.statistics().used_bytes:
+            await trio.sleep(0)
     assert_idle(pool)
 
 

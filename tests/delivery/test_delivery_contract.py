@@ -91,3 +91,13 @@ def test_the_service_and_its_face_name_no_backend_and_the_face_no_transport() ->
     app = ast.parse((root / "encoder/app.py").read_text())
     modules = {n.module for n in ast.walk(app) if isinstance(n, ast.ImportFrom)}
     assert not {m for m in modules if m and m.startswith(("epd_trio.delivery", "zmq"))}, modules
+
+
+def test_every_registered_delivery_has_every_call_of_the_contract() -> None:
+    """``admitted``, ``sized``, ``deliver``, ``fail`` and ``aclose`` on each class a factory
+    builds (a protocol check at runtime sees only what was built, so look at all of them)."""
+    calls = ("admitted", "sized", "deliver", "fail", "aclose")
+    for name, factory in FACTORIES.items():
+        cls = factory.__self__  # type: ignore[attr-defined]  # the classmethod's class
+        missing = [call for call in calls if not callable(getattr(cls, call, None))]
+        assert not missing, f"{name}: {cls.__name__} lacks {missing}"

@@ -54,8 +54,9 @@ async def test_mooncake_equals_inline_bit_for_bit(encoder: Any) -> None:
                                            "buffer_address": buf.data_ptr() + offset,
                                            "buffer_length": meta["nbytes"]})
         assert s.status_code == 200 and s.json()["nbytes"] == meta["nbytes"], s.text
-        landed = buf[offset:offset + meta["nbytes"]].view(torch.float32).view(meta["tokens"], meta["dim"])
-        assert torch.equal(landed, inline)
+        landed = buf[offset:offset + meta["nbytes"]]
+        assert torch.equal(landed, inline.contiguous().view(-1).view(torch.uint8))  # the bytes
+        assert not buf[:offset].any()  # and nowhere else
         with trio.fail_after(5):
             while (await stats(http))["live_requests"]:
                 await trio.sleep(0.01)
@@ -165,3 +166,81 @@ async def test_send_waiting_on_a_failed_forward_learns_why(encoder: Any) -> None
     assert running_at_send == [1]
     (r,) = answers
     assert r.status_code == 500 and "GPU fell off" in r.json()["error"]["message"]
+
+
+async def held_write(http: Any, server: Any, mc: MooncakeTransport, buf: torch.Tensor,
+                     req_id: str, nursery: trio.Nursery, gate: Any) -> dict[str, Any]:
+    """Stage ``req_id``, post its /send, and return once its write is surely in flight
+    (held at its submit by the gate). The /send's answer goes to the nursery's task."""
+    meta = (await http.post("/encode", json=body(req_id, png_bytes(56, 56)))).json()
+
+    async def send() -> None:
+        await http.post("/send", json={"req_id": req_id, "session": mc.session,
+                                       "buffer_address": buf.data_ptr(), "buffer_length": meta["nbytes"]})
+
+    nursery.start_soon(send)
+    with trio.fail_after(10):
+        while gate.waiting < 1:
+            await trio.sleep(0.01)
+    return meta
+
+
+async def test_abort_says_not_released_while_a_write_is_in_flight(encoder: Any) -> None:
+    """``/abort`` waits up to --send-timeout; a write the engine has not finished by then is
+    answered ``released: false`` (the receiver must not reuse its buffer), and the bytes do
+    land after that answer. Once the write has ended, the id is unknown (404)."""
+    from epd_trio.testing.transport_faults import held_writes
+
+    async with encoder(transfer_backend="mooncake", send_timeout=1.0) as (server, http), \
+            receiver(1 << 16) as (mc, buf), trio.open_nursery() as nursery:
+        with held_writes(server.service.deliveries.mooncake) as gate:
+            meta = await held_write(http, server, mc, buf, "w", nursery, gate)
+            started = trio.current_time()
+            answer = await http.post("/abort", json={"req_id": "w"})
+            waited = trio.current_time() - started
+            assert answer.status_code == 200, answer.text
+            assert answer.json() == {"req_id": "w", "aborted": 1, "released": False}
+            assert waited >= 1.0  # it waited for the part, up to --send-timeout
+            assert not buf[:meta["nbytes"]].any()  # nothing has landed yet
+        # the gate opens: the write the abort could not stop lands now, after the answer
+        with trio.fail_after(15):
+            while (await stats(http))["live_requests"]:
+                await trio.sleep(0.01)
+        assert buf[:meta["nbytes"]].any()
+        assert (await http.post("/abort", json={"req_id": "w"})).status_code == 404
+        after = await stats(http)
+    assert after["registry"]["aborted"] == 1 and after["mooncake"]["registered_regions"] == 0
+
+
+async def test_abort_says_released_once_the_part_has_let_go(encoder: Any) -> None:
+    async with encoder(transfer_backend="mooncake", send_timeout=5.0) as (server, http), \
+            receiver(1 << 16) as (mc, buf):
+        await http.post("/encode", json=body("r", png_bytes(56, 56)))  # staged, no /send yet
+        answer = await http.post("/abort", json={"req_id": "r"})
+    assert answer.json() == {"req_id": "r", "aborted": 1, "released": True}
+
+
+async def test_a_write_left_past_its_settle_bound_keeps_abort_from_saying_released(
+        encoder: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scope is released once its write has been waited for its bound; the write may
+    still land, so until the engine says it ended an /abort of that id answers
+    ``released: false`` rather than a 404 the receiver would take for "let go"."""
+    from epd_trio.testing.transport_faults import held_writes
+
+    monkeypatch.setattr("epd_trio.transport.mooncake._SETTLE_LIMIT", 0.2)
+    async with encoder(transfer_backend="mooncake", send_timeout=3.0) as (server, http), \
+            receiver(1 << 16) as (mc, buf), trio.open_nursery() as nursery:
+        with held_writes(server.service.deliveries.mooncake) as gate:
+            await held_write(http, server, mc, buf, "o", nursery, gate)
+            first = await http.post("/abort", json={"req_id": "o"})
+            assert first.json() == {"req_id": "o", "aborted": 1, "released": False}
+            during = await stats(http)
+            assert during["live_requests"] == 0 and during["registry"]["unsettled"] == 1
+            assert during["mooncake"]["unsettled_writes"] == 1
+            again = await http.post("/abort", json={"req_id": "o"})
+            assert (again.status_code, again.json()["released"]) == (200, False)
+        with trio.fail_after(15):
+            while (await stats(http))["mooncake"]["unsettled_writes"]:
+                await trio.sleep(0.01)
+        assert (await http.post("/abort", json={"req_id": "o"})).status_code == 404
+        assert (await stats(http))["registry"]["unsettled"] == 0

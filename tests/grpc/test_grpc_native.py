@@ -267,7 +267,7 @@ async def test_abort_ends_a_live_encode_cancelled(encoder: Any) -> None:
         stats = (await http.get("/stats")).json()
     (cancelled,) = outcome
     assert cancelled.code() == grpc.StatusCode.CANCELLED and "abort" in cancelled.details()
-    assert (aborted.req_id, aborted.aborted) == ("live", 1)
+    assert (aborted.req_id, aborted.aborted, aborted.released) == ("live", 1, True)  # let go
     for missing in (unknown_part, unknown):
         assert missing.code() == grpc.StatusCode.NOT_FOUND
     assert unknown.details() == "no live request 'nobody'"

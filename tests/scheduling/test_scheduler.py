@@ -154,6 +154,42 @@ async def test_cancelled_waiting_caller_is_dropped_before_the_forward(nursery: t
     assert s.statistics().requests_dropped == 1
 
 
+async def test_a_cancelled_callers_payload_is_gone_at_once_even_mid_forward(nursery: trio.Nursery) -> None:
+    """While a forward runs, callers that leave take their jobs (and payloads) with them:
+    the queue, the only place the scheduler keeps jobs waiting, is empty at once."""
+    s, fake = await started()
+    await nursery.start(s.run)
+    fake.hold()
+    nursery.start_soon(encode, s, payload(0.0))
+    await wait_entered(fake)  # the loop is in the forward: it takes nothing in meanwhile
+    for v in (1.0, 2.0, 3.0):
+        with trio.move_on_after(0):  # cancelled at its first wait
+            await encode(s, payload(v))
+    stats = s.statistics()
+    assert (stats.queued, stats.requests_dropped, stats.running) == (0, 3, 1), stats
+    fake.release()
+    assert torch.equal(await encode(s, payload(4.0)), torch.full((2, 3), 8.0))
+    assert fake.batches == [[0.0], [4.0]]
+
+
+async def test_cancellation_churn_during_a_forward_never_refuses(nursery: trio.Nursery) -> None:
+    """Admission frees a caller's slot the moment it leaves; its job must leave as promptly,
+    or many admitted-then-cancelled callers during one forward overflow the queue (503)."""
+    s, fake = await started(max_pending=2)
+    await nursery.start(s.run)
+    fake.hold()
+    nursery.start_soon(encode, s, payload(0.0))
+    await wait_entered(fake)
+    for n in range(40):  # far more than max_pending (+ any headroom) jobs, one at a time
+        with trio.move_on_after(0):
+            await encode(s, payload(float(n)))
+    assert s.statistics().queued == 0
+    fake.release()
+    assert torch.equal(await encode(s, payload(5.0)), torch.full((2, 3), 10.0))
+    stats = s.statistics()
+    assert (stats.requests_dropped, stats.requests_failed, stats.admitted) == (40, 0, 0), stats
+
+
 async def test_cancelled_running_caller_leaves_batch_mates_intact(nursery: trio.Nursery) -> None:
     s, fake = await started()
     await nursery.start(s.run)

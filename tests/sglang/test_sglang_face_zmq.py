@@ -91,6 +91,36 @@ async def test_a_reused_req_id_serves_a_rank_that_registers_during_preprocessing
     assert len(answers) == 4 and after["sglang_rendezvous"]["ended"] == 1
 
 
+async def test_a_duplicate_refused_with_409_leaves_how_an_earlier_part_ended(encoder: Any) -> None:
+    """A part of ``dup`` is live (held in preprocessing) when another part with that id
+    ends; a duplicate of the live one is refused (409) and must change nothing: ranks
+    that ask about ``dup`` still hear how the earlier part ended."""
+    from epd_trio.errors import RequestError
+
+    body = encode_body("dup", 0, 1, [data_uri(png_bytes(56, 56, seed=6))])
+    async with encoder(api="sglang") as (server, http):
+        install_faults(FaultPlan(0, [Fault("preprocess", delay=5.0)]), server.service.engine)
+        rendezvous = server.service.deliveries.rendezvous
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(http.post, "/encode", json=body))
+            await until(http, lambda s: s["live_requests"] == 1)  # admitted, preprocessing
+            ended = rendezvous.claim("dup_local_part_0")  # another part with this id ends now
+            ended.publish_error(RequestError("the earlier part's image could not be decoded"))
+            rendezvous.release(ended)
+            duplicate = await http.post("/encode", json=body)
+            assert duplicate.status_code == 409, duplicate.text
+            try:
+                rendezvous.check_not_ended("dup_local_part_0")
+            except RequestError as exc:
+                heard = exc.message
+            else:
+                heard = None
+            install_faults(None, server.service.engine)
+            aborted = await http.post("/abort", json={"req_id": "dup_local_part_0"})
+    assert heard == "the earlier part's image could not be decoded"
+    assert aborted.json() == {"req_id": "dup_local_part_0", "aborted": 1, "released": True}
+
+
 async def test_errors_are_answered_and_pushed_to_every_rank(
         encoder: Any, sglang_decoder: Decoder, tmp_path: Path) -> None:
     async with encoder(api="sglang") as (_, http), rank() as a:

@@ -183,3 +183,38 @@ async def test_a_cancelled_start_abandons_initialize(autojump_clock: trio.testin
         async with open_mooncake("127.0.0.1"):
             pytest.fail("a stuck engine started")
     assert scope.cancelled_caught and trio.current_time() - start == 1.0
+
+
+class UnregisterHangs:
+    """The real engine, except that ``unregister_memory`` blocks until released."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.release = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def unregister_memory(self, address: int) -> int:
+        self.release.wait(30)
+        return int(self.inner.unregister_memory(address))
+
+
+async def test_an_unregister_that_hangs_is_cut_at_its_bound(autojump_clock: trio.testing.MockClock) -> None:
+    """A release waits for the engine's unregister at most its bound, then goes on: the
+    region is counted as still registered and stuck, the thread left to end alone."""
+    source = torch.arange(4096, dtype=torch.uint8)
+    real_time(autojump_clock)
+    async with open_mooncake("127.0.0.1") as mc:
+        hanging = UnregisterHangs(mc.engine)
+        mc.engine = hanging
+        try:
+            async with mc.registered(source.data_ptr(), source.numel()):
+                virtual_time(autojump_clock)
+                start = trio.current_time()
+            assert trio.current_time() - start == mooncake_module._UNREGISTER_LIMIT
+            s = mc.statistics()
+            assert (s.stuck_unregisters, s.registered_regions) == (1, 1), s
+        finally:
+            hanging.release.set()
+            mc.engine = hanging.inner

@@ -73,11 +73,6 @@ class Qwen2AudioAdapter(ModelAdapter):
     def embedding_dim(self) -> int:
         return int(self.config.text_config.hidden_size)
 
-    @property
-    def window_frames(self) -> int:
-        """Mel frames the tower takes (its input is always padded to this)."""
-        return int(self.config.audio_config.max_source_positions) * 2
-
     def item_result(self, processed: dict[str, Any], modality: str,
                     extras: dict[str, list[Any]] | None = None) -> PreprocessResult:
         mask = processed["attention_mask"]

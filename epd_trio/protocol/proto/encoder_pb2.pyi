@@ -129,12 +129,14 @@ class AbortRequest(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., part_idx: _Optional[int] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
-    __slots__ = ("req_id", "aborted")
+    __slots__ = ("req_id", "aborted", "released")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     ABORTED_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     aborted: int
-    def __init__(self, req_id: _Optional[str] = ..., aborted: _Optional[int] = ...) -> None: ...
+    released: bool
+    def __init__(self, req_id: _Optional[str] = ..., aborted: _Optional[int] = ..., released: _Optional[bool] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()
