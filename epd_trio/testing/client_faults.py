@@ -51,9 +51,10 @@ def _failer(req: LiveRequest) -> Callable[[], None]:
 
 def _dispatch(plan: FaultPlan, post: Callable[..., Awaitable[Any]]
               ) -> Callable[..., Awaitable[Any]]:
-    async def post_with_faults(http: Any, req: LiveRequest, state: Any, body: Any) -> Any:
+    async def post_with_faults(http: Any, req: LiveRequest, state: Any, body: Any,
+                               **options: Any) -> Any:
         await plan.inject("client_dispatch", cancel=_failer(req))
-        return await post(http, req, state, body)
+        return await post(http, req, state, body, **options)
     return post_with_faults
 
 
