@@ -19,6 +19,7 @@ from epd_trio.config import (
     BootstrapConfig,
     EncoderConfig,
     EngineConfig,
+    ProxyConfig,
     add_config_arguments,
     check_log_level,
     config_from_args,
@@ -79,7 +80,7 @@ def _freeze_startup_objects() -> None:
     gc.freeze()
 
 
-def _tune_process(config: EncoderConfig | BootstrapConfig) -> bool:
+def _tune_process(config: "Served") -> bool:
     """What only the process's owner may set: on a CPU device, malloc keeps freed memory
     (``engine.heap``: a CPU forward's activations are asked for again every batch). Once
     serving, so what loading the model freed has gone back to the kernel. True when applied."""
@@ -92,14 +93,17 @@ def _tune_process(config: EncoderConfig | BootstrapConfig) -> bool:
     return keep_freed_memory()
 
 
-async def _serve_until_signal(config: EncoderConfig | BootstrapConfig) -> None:
+Served = EncoderConfig | BootstrapConfig | ProxyConfig
+
+
+async def _serve_until_signal(config: Served) -> None:
     """Serve until SIGINT/SIGTERM, then leave the block: a graceful shutdown, exit 0.
 
     The signal is watched from the start: one that comes while the server is
     still starting (loading the model, say) cancels the start-up, whose
     blocking calls are abandonable or bounded, so the process exits promptly.
     """
-    what = "encoder" if isinstance(config, EncoderConfig) else "bootstrap"
+    what = {EncoderConfig: "encoder", BootstrapConfig: "bootstrap", ProxyConfig: "proxy"}[type(config)]
     # Watched before the server's imports (torch, transformers: seconds), which a signal
     # during them must stop too: trio keeps it until the first checkpoint after them.
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -121,11 +125,15 @@ async def _serve_until_signal(config: EncoderConfig | BootstrapConfig) -> None:
             nursery.cancel_scope.cancel()
 
 
-def _serve_function(config: EncoderConfig | BootstrapConfig) -> Any:
+def _serve_function(config: Served) -> Any:
     if isinstance(config, EncoderConfig):
         from epd_trio.encoder.server import serve_encoder
 
         return serve_encoder
+    if isinstance(config, ProxyConfig):
+        from epd_trio.proxy.server import serve_proxy
+
+        return serve_proxy
     from epd_trio.bootstrap.server import serve_bootstrap
 
     return serve_bootstrap
@@ -145,6 +153,13 @@ async def _first_signal(signals: AsyncIterator[int], started: trio.Event, stop: 
 
 def _bootstrap(args: argparse.Namespace) -> int:
     config = config_from_args(BootstrapConfig, args)
+    logging.getLogger().setLevel(config.log_level.upper())
+    trio.run(_serve_until_signal, config)
+    return 0
+
+
+def _proxy(args: argparse.Namespace) -> int:
+    config = config_from_args(ProxyConfig, args)
     logging.getLogger().setLevel(config.log_level.upper())
     trio.run(_serve_until_signal, config)
     return 0
@@ -170,6 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
                                "and clients discover them from (SIGINT/SIGTERM exit 0)")
     add_config_arguments(bootstrap, BootstrapConfig)
     bootstrap.set_defaults(run=_bootstrap)
+
+    proxy = sub.add_parser("proxy", help="serve the EPD proxy in front of vLLM: OpenAI requests' "
+                           "media stored by encoders (--api vllm), then the request forwarded to a "
+                           "prefill/decode server, streams relayed (SIGINT/SIGTERM exit 0)")
+    add_config_arguments(proxy, ProxyConfig)
+    proxy.set_defaults(run=_proxy)
 
     demo = sub.add_parser("demo", help="two encoders and a client in one program: encode sample "
                           "images split across both, check, print a table")
