@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 # Only these become a one-line message and exit 2; anything else is a bug.
 _EXPECTED = (EPDError, ValueError)
 EXIT_INTERRUPTED = 130  # what a shell reports for Ctrl-C (128 + SIGINT)
+Served = EncoderConfig | BootstrapConfig | ProxyConfig  # what `_serve_until_signal` serves
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
@@ -80,7 +81,7 @@ def _freeze_startup_objects() -> None:
     gc.freeze()
 
 
-def _tune_process(config: "Served") -> bool:
+def _tune_process(config: Served) -> bool:
     """What only the process's owner may set: on a CPU device, malloc keeps freed memory
     (``engine.heap``: a CPU forward's activations are asked for again every batch). Once
     serving, so what loading the model freed has gone back to the kernel. True when applied."""
@@ -91,9 +92,6 @@ def _tune_process(config: "Served") -> bool:
     from epd_trio.engine.heap import keep_freed_memory
 
     return keep_freed_memory()
-
-
-Served = EncoderConfig | BootstrapConfig | ProxyConfig
 
 
 async def _serve_until_signal(config: Served) -> None:

@@ -528,8 +528,7 @@ def _http_urls(urls: tuple[str, ...], what: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class ProxyConfig:
-    """The EPD proxy (``epd-trio proxy``): OpenAI requests in, their media to encoder
-    instances of vLLM's EPD, then the request to a prefill/decode (vLLM) server."""
+    """The EPD proxy: a request's media to encoder instances, then the request to a vLLM server."""
 
     host: str = _opt("127.0.0.1", "address to listen on")
     port: int = _opt(8000, "port to listen on (0 picks a free one)")
