@@ -10,9 +10,9 @@ no cache of vLLM's can answer for the other run). Greedy tokens must be
 equal, vLLM's log must say it loaded our file, and all-zero embeddings under
 another name must change the tokens.
 
-Not covered here: audio. vLLM's CPU build serves Qwen2-Audio, but a second
-server would double this module's time; the audio hash is checked against
-vLLM's own hasher in ``test_vllm_hash.py``.
+Audio is ``test_vllm_proxy_audio.py`` (vLLM's CPU build serves Qwen2-Audio, from
+a server of its own); the audio hash is checked against vLLM's own hasher in
+``test_vllm_hash.py``.
 """
 
 from __future__ import annotations
