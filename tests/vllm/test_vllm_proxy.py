@@ -2,7 +2,8 @@
 
 One vLLM server (an EC consumer of a shared directory) serves the module;
 each test runs the proxy and two epd_trio encoders (``--api vllm``, EC
-producers of the same directory). The reference for every answer is vLLM
+producers of the same directory); one puts vLLM's own encoder instance (a
+second vLLM server, ``ec_role: ec_producer``, started last) beside one of ours. The reference for every answer is vLLM
 alone: the same request with a ``uuid`` on each media part that no file
 answers to, so vLLM runs its own encoder (under a name no cache of its can
 answer for the other run). Greedy tokens through the proxy must be equal, and
@@ -35,7 +36,14 @@ from proxy_harness import (
     tokens,
     vllm_alone,
 )
-from vllm_harness import VllmEnv, VllmServer, vllm_consumer, vllm_env  # noqa: F401  (the fixture)
+from vllm_harness import (  # noqa: F401  (the fixtures)
+    VllmEnv,
+    VllmServer,
+    storage,
+    vllm,
+    vllm_consumer,
+    vllm_env,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -43,18 +51,6 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("servable") / "qwen2_5_vl", servable_spec(seed=5)))
-
-
-@pytest.fixture(scope="module")
-def storage(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("ec-storage")
-
-
-@pytest.fixture(scope="module")
-def vllm(vllm_env: VllmEnv, model: str, storage: Path,  # noqa: F811
-         tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    with vllm_consumer(vllm_env, model, storage, tmp_path_factory.mktemp("logs") / "vllm.log") as server:
-        yield server
 
 
 @pytest.mark.parametrize("modality", ["image", "video"])
@@ -135,3 +131,28 @@ async def test_an_encoder_killed_mid_request_fails_over(model: str, storage: Pat
     assert answer.status_code == 200, answer.text
     assert tokens(answer.json()) == reference
     assert stats.retries >= 1 and stats.requests_live == 0 and victim.returncode == -signal.SIGKILL
+
+
+@pytest.fixture(scope="module")
+def vllm_encoder(vllm_env: VllmEnv, model: str, storage: Path,  # noqa: F811
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """vLLM's own encoder instance (``ec_role: ec_producer``) of the same storage."""
+    log = tmp_path_factory.mktemp("logs") / "vllm-producer.log"
+    with vllm_consumer(vllm_env, model, storage, log, role="ec_producer") as server:
+        yield server
+
+
+async def test_vllms_own_encoder_instance_serves_beside_ours(
+        model: str, storage: Path, vllm: VllmServer, vllm_encoder: VllmServer) -> None:  # noqa: F811
+    parts = [image(51), image(52)]  # one part each: vLLM's encoder first, then ours
+    reference = await vllm_alone(vllm, parts, "reference-mixed")
+    before = set(storage.iterdir())
+    async with encoder(model, storage) as ours, \
+            proxy_over([vllm_encoder.url, ours.url], vllm) as (_, http):
+        answer = await through(http, vllm, parts)
+        used = encoded(ours)
+    assert answer.status_code == 200, answer.text
+    assert tokens(answer.json()) == reference and used == 1
+    written = sorted(p.name for p in set(storage.iterdir()) - before)
+    assert len(written) == 2
+    assert all(f"Success load encoder cache for hash {h}" in vllm.log_text() for h in written)

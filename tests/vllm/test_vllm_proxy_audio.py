@@ -10,7 +10,6 @@ another name must change the tokens, so the loaded ones are really used.
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from epd_trio.model.samples import sample_tone
 from epd_trio.model.tiny import make_tiny_model, servable_spec
 
 from proxy_harness import encoder, proxy_over, request, through, tokens, vllm_alone
-from vllm_harness import VllmEnv, VllmServer, vllm_consumer, vllm_env  # noqa: F401  (the fixture)
+from vllm_harness import VllmServer, storage, vllm, vllm_env  # noqa: F401  (the fixtures)
 
 pytestmark = pytest.mark.slow
 
@@ -31,18 +30,6 @@ pytestmark = pytest.mark.slow
 def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("servable") / "qwen2_audio",
                                servable_spec("qwen2_audio", seed=3)))
-
-
-@pytest.fixture(scope="module")
-def storage(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("ec-storage")
-
-
-@pytest.fixture(scope="module")
-def vllm(vllm_env: VllmEnv, model: str, storage: Path,  # noqa: F811
-         tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    with vllm_consumer(vllm_env, model, storage, tmp_path_factory.mktemp("logs") / "vllm.log") as server:
-        yield server
 
 
 async def test_audio_through_the_proxy_gives_vllms_own_tokens(model: str, storage: Path,

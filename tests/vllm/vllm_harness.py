@@ -5,6 +5,8 @@ vLLM lives in ``<repo>/.vllm`` (or ``EPD_VLLM_DIR``), a venv built by
 take the ``vllm_env`` fixture (imported from here: a ``conftest.py`` in this
 folder would shadow ``tests/conftest.py``). Without the environment they
 skip, unless ``EPD_REQUIRE_VLLM=1`` (CI), where a missing or stale one fails.
+A module that imports the ``storage`` and ``vllm`` fixtures too, and defines a
+``model`` fixture (a checkpoint path), gets one vLLM server for all its tests.
 
 ``VllmServer`` starts ``vllm.entrypoints.openai.api_server`` on a free port
 as an EC consumer of a shared-storage directory, with the settings its CPU
@@ -21,7 +23,7 @@ import os
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +89,20 @@ def vllm_env() -> VllmEnv:
     pytest.skip(problem)
 
 
+@pytest.fixture(scope="module")
+def storage(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The module's shared-storage directory (the EC connectors' ``shared_storage_path``)."""
+    return tmp_path_factory.mktemp("ec-storage")
+
+
+@pytest.fixture(scope="module")
+def vllm(vllm_env: VllmEnv, model: str, storage: Path,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """The module's vLLM server, an EC consumer of ``storage``, serving the module's ``model``."""
+    with vllm_consumer(vllm_env, model, storage, tmp_path_factory.mktemp("logs") / "vllm.log") as server:
+        yield server
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -111,15 +127,18 @@ class VllmServer:
 
 
 @contextmanager
-def vllm_consumer(env: VllmEnv, model: str, storage: Path, log: Path) -> Iterator[VllmServer]:
-    """A vLLM server that loads encoder outputs from ``storage`` (ECExampleConnector, ec_consumer)."""
+def vllm_consumer(env: VllmEnv, model: str, storage: Path, log: Path,
+                  extra_args: Sequence[str] = (), role: str = "ec_consumer") -> Iterator[VllmServer]:
+    """A vLLM server that loads encoder outputs from ``storage`` (ECExampleConnector, ec_consumer;
+    with ``role="ec_producer"``, vLLM's own encoder instance, which writes them there);
+    ``extra_args`` come last (a flag given twice: the last one counts)."""
     port = free_port()
-    ec = {"ec_connector": "ECExampleConnector", "ec_role": "ec_consumer",
+    ec = {"ec_connector": "ECExampleConnector", "ec_role": role,
           "ec_connector_extra_config": {"shared_storage_path": str(storage)}}
     command = [str(env.python), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
                "--enforce-eager", "--dtype", "float32", "--max-num-seqs", "4",
-               "--ec-transfer-config", json.dumps(ec)]
+               "--ec-transfer-config", json.dumps(ec), *extra_args]
     extra = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
              "VLLM_LOGGING_LEVEL": "DEBUG", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     with log.open("wb") as out:
