@@ -33,10 +33,12 @@ __all__ = ["LanguageServers", "ServerState", "Upstream", "open_upstream", "relay
 
 log = logging.getLogger(__name__)
 
-# Hop-by-hop headers (RFC 9110 7.6.1) and those the HTTP stack sets itself: never relayed.
+# Hop-by-hop headers (RFC 9110 7.6.1), ``expect`` (about the caller's own connection) and
+# those the HTTP stack sets itself: never relayed.
 _NOT_RELAYED: Final = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
-    b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length", b"date", b"server",
+    b"trailer", b"transfer-encoding", b"upgrade", b"expect", b"host", b"content-length", b"date",
+    b"server",
 })
 _CLOSE_TIMEOUT: Final = 5.0  # seconds closing an upstream answer may take (shielded)
 

@@ -79,11 +79,14 @@ async def test_media_is_stored_first_then_the_request_goes_on_unchanged(
 async def test_completions_and_text_only_chats_go_straight_to_the_language_server() -> None:
     language, encoder = FakeLanguageServer(), FakeEncoder(status=200)
     async with serving(encoder) as e, serving(language) as lm, proxied([e], [lm]) as (_, http):
-        chat = await http.post(CHAT, json=_chat())
+        chat = await http.post(CHAT, json=_chat(), headers={"authorization": "Bearer key-1",
+                                                            "expect": "100-continue"})
         completion = await http.post("/v1/completions", json={"model": "tiny", "prompt": "hi"})
         models = await http.get("/v1/models")
     assert chat.status_code == completion.status_code == models.status_code == 200
     assert [s.path for s in language.seen] == [CHAT, "/v1/completions"]
+    assert language.seen[0].headers["authorization"] == "Bearer key-1"  # vLLM's --api-key
+    assert "expect" not in language.seen[0].headers  # about the caller's own connection
     assert models.json()["data"] == [{"id": "tiny"}]
     assert encoder.calls == 0
 
