@@ -91,9 +91,11 @@ async def test_completions_and_text_only_chats_go_straight_to_the_language_serve
     assert encoder.calls == 0
 
 
-async def test_a_stream_is_relayed_event_by_event() -> None:
+@pytest.mark.parametrize("http_server", ["builtin", "hypercorn"])
+async def test_a_stream_is_relayed_event_by_event(http_server: str) -> None:
     language = FakeLanguageServer(events=3)
-    async with serving(language) as lm, proxied(["http://127.0.0.1:9"], [lm]) as (server, http):
+    async with serving(language) as lm, \
+            proxied(["http://127.0.0.1:9"], [lm], http_server=http_server) as (server, http):
         async with http.stream("POST", CHAT, json=_chat(stream=True)) as answer:
             assert answer.status_code == 200
             assert answer.headers["content-type"].startswith("text/event-stream")
@@ -125,9 +127,11 @@ async def _first_event_then_leave(url: str, body: dict[str, Any]) -> bytes:
     return received
 
 
-async def test_the_caller_leaving_cancels_the_forwarded_request() -> None:
+@pytest.mark.parametrize("http_server", ["builtin", "hypercorn"])
+async def test_the_caller_leaving_cancels_the_forwarded_request(http_server: str) -> None:
     language = FakeLanguageServer(events=5)
-    async with serving(language) as lm, proxied(["http://127.0.0.1:9"], [lm]) as (server, http):
+    async with serving(language) as lm, \
+            proxied(["http://127.0.0.1:9"], [lm], http_server=http_server) as (server, http):
         language.release()
         with trio.fail_after(10):
             received = await _first_event_then_leave(server.url, _chat(stream=True))
