@@ -158,13 +158,18 @@ class ProxyApp:
                 await proxy.forward(route, raw, scope["headers"], request_id, relay)
             except EPDError as exc:
                 refused = await _refuse(relay.send, exc, request_id=request_id)
+            except Exception as exc:  # a bug: the caller gets a 500 (if nothing was sent yet)
+                log.exception("request %s: unhandled error in the proxy", request_id)
+                if relay.started:
+                    raise
+                refused = await _refuse(relay.send, exc, request_id=request_id)
             nursery.cancel_scope.cancel()
         if refused:
             return refused
         return relay.status if relay.complete or (relay.started and relay.failed) else _CLIENT_GONE
 
 
-async def _refuse(send: Any, exc: EPDError, *, closing: bool = False,
+async def _refuse(send: Any, exc: Exception, *, closing: bool = False,
                   request_id: str | None = None) -> int:
     reply = proxy_error(exc)
     if request_id is not None:

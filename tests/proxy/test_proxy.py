@@ -270,3 +270,20 @@ def test_config_refusals(fields: dict[str, Any]) -> None:
     base: dict[str, Any] = {"encoder_urls": ("http://e:1",), "prefill_decode_urls": ("http://l:2",)}
     with pytest.raises(ValueError):
         ProxyConfig(**{**base, **fields})
+
+
+async def test_a_bug_is_a_500_and_the_proxy_keeps_serving() -> None:
+    language = FakeLanguageServer()
+    async with serving(language) as lm, proxied(["http://127.0.0.1:9"], [lm]) as (server, http):
+        parse = server.proxy.parse
+
+        async def broken(raw: bytes, route: str) -> Any:
+            raise KeyError("a bug")
+
+        server.proxy.parse = broken  # type: ignore[method-assign]
+        failed = await http.post(CHAT, json=_chat())
+        server.proxy.parse = parse  # type: ignore[method-assign]
+        fine = await http.post(CHAT, json=_chat())
+    assert failed.status_code == 500 and failed.json()["error"]["code"] == 500
+    assert "a bug" not in failed.text  # no internals leak to the caller
+    assert fine.status_code == 200
