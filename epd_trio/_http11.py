@@ -1,14 +1,13 @@
 """A lean HTTP/1.1 server for ASGI apps on trio, built on h11: what serves the encoder and the registry.
 
-Why not Hypercorn (which served them until issue 17's last round, and still can:
-``--http-server hypercorn``): the trio thread runs every request's scope, and
+Why not Hypercorn (which still can serve them: ``--http-server hypercorn``): the trio thread runs every request's scope, and
 Hypercorn's generic machinery cost it ~0.8 ms of CPU per small request on the
 project's 2-core VM before the app ran at all — a task and a memory channel per
 request, an idle-timeout task restarted after every response, a lock, a shield
 and a ``send_all`` per h11 event (three per answer). Here a connection is one
 task that parses with h11, runs the app in that same task, sends an answer's
 head and body in one write (up to 1 MiB), and bounds idle keep-alive with a cancel scope
-instead of a task (README, *The HTTP server*).
+instead of a task.
 
 What it serves is exactly what the faces need: HTTP/1.1 and 1.0 over TCP,
 keep-alive, pipelined requests (one at a time), ``Expect: 100-continue``,

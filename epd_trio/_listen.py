@@ -57,6 +57,13 @@ class Listener:
     host: str  # as configured: its zone id, if any, goes into the URL
     sock: socket.socket
 
+    @property
+    def url(self) -> str:
+        """``http://address:port`` as bound (a wildcard host stays one: see ``advertised_url``)."""
+        bound, bound_port = self.sock.getsockname()[:2]
+        zone = self.host.partition("%")[2]  # getsockname gives the scope as a number
+        return f"http://{_netloc(bound + '%' + zone if zone else bound, bound_port)}"
+
 
 @asynccontextmanager
 async def bound_listener(host: str, port: int) -> AsyncIterator[Listener]:
@@ -94,9 +101,7 @@ async def start_http_server(nursery: trio.Nursery, app: Any, listener: Listener,
                                shutdown_trigger=shutdown_trigger, max_header_bytes=max_header_bytes)
     else:
         raise ValueError(f"http_server must be one of {', '.join(HTTP_SERVERS)}, got {server!r}")
-    bound, bound_port = listener.sock.getsockname()[:2]
-    zone = listener.host.partition("%")[2]  # getsockname gives the scope as a number
-    return f"http://{_netloc(bound + '%' + zone if zone else bound, bound_port)}"
+    return listener.url
 
 
 async def _start_hypercorn(nursery: trio.Nursery, app: Any, listener: Listener, *,

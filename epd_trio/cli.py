@@ -8,14 +8,18 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from types import MappingProxyType
+from typing import Any
 
 import trio
 
+from epd_trio._help import CommandParser
 from epd_trio._util import leaves
+from epd_trio._version import __version__
 from epd_trio.config import (
+    ENCODER_BACKENDS,
     BootstrapConfig,
     EncoderConfig,
     EngineConfig,
@@ -163,48 +167,146 @@ def _proxy(args: argparse.Namespace) -> int:
     return 0
 
 
+# Each command's description and examples; the examples' indented lines are kept as written.
+_MAIN: Mapping[str, Any] = MappingProxyType({
+    "description": ("The multimodal encoder of Encode-Prefill-Decode disaggregated LLM serving: it "
+                    "turns images, videos and audio into embeddings and delivers them to the "
+                    "prefill side."),
+    "epilog": """examples:
+  # an encoder of the embedded tiny random-weight model on 127.0.0.1:8000
+  epd-trio encoder
+  # a registry, encoders and a client in one program, on the same model
+  epd-trio demo
+
+epd-trio COMMAND --help shows a command's options.""",
+})
+_ENCODER: Mapping[str, Any] = MappingProxyType({
+    "description": ("Serve the encoder: requests come over HTTP (protocol v1, SGLang's encoder API "
+                    "with --api sglang, vLLM's with --api vllm) and, with --grpc-port, gRPC; "
+                    "embeddings leave inline, over ZMQ, through Mooncake or to vLLM's EC connector. "
+                    "SIGINT or SIGTERM lets in-flight requests finish (--drain-timeout), then exits 0.\n\nEvery option is also an EPD_* environment "
+                    "variable (--max-batch-size: EPD_MAX_BATCH_SIZE); a flag wins over its variable. "
+                    "A SIZE is bytes, or a number with a unit: 512KiB, 128MiB, 1GiB."),
+    "epilog": """examples:
+  # the embedded tiny random-weight model on 127.0.0.1:8000
+  epd-trio encoder
+  # a checkpoint on a GPU, reachable from other hosts, registered with a registry
+  epd-trio encoder --model-path /models/Qwen2.5-VL-7B-Instruct --device cuda \\
+      --host 0.0.0.0 --register-url http://registry:8997
+  # a drop-in for SGLang's encoder-only server
+  epd-trio encoder --api sglang --encoder-transfer-backend zmq_to_scheduler \\
+      --host 0.0.0.0 --port 30002 --model-path /models/Qwen2.5-VL-7B-Instruct
+  # an encoder instance of vLLM's EPD: embeddings go where vLLM's EC connector reads them
+  epd-trio encoder --api vllm --port 8001 --model-path /models/Qwen2.5-VL-7B-Instruct \\
+      --ec-transfer-config '{"ec_connector": "ECExampleConnector", "ec_role": "ec_producer"}'
+  # the delivery options, or every option
+  epd-trio encoder --help=delivery
+  epd-trio encoder --help=all""",
+})
+_BOOTSTRAP: Mapping[str, Any] = MappingProxyType({
+    "description": ("Serve the bootstrap registry: encoders register with it (epd-trio encoder "
+                    "--register-url) and clients discover the healthy ones through it "
+                    "(ClientConfig.bootstrap_url). It probes every encoder's /health each "
+                    "--health-interval and evicts one after --max-failures missed probes. SIGINT "
+                    "or SIGTERM exits 0.\n\nEvery option is also an EPD_* environment variable "
+                    "(--port: EPD_PORT); a flag wins over its variable."),
+    "epilog": """examples:
+  # a registry other hosts reach; registrations must carry the token
+  EPD_AUTH_TOKEN=s3cret epd-trio bootstrap --host 0.0.0.0 --port 8997
+  # an encoder that registers with it
+  EPD_REGISTRY_AUTH_TOKEN=s3cret epd-trio encoder --register-url http://registry:8997""",
+})
+_PROXY: Mapping[str, Any] = MappingProxyType({
+    "description": ("Serve the EPD proxy in front of vLLM: OpenAI requests (chat completions, "
+                    "streamed or not, and completions) come in; a chat request's images, videos "
+                    "and audio go first to encoder instances (epd-trio encoder --api vllm, or "
+                    "vLLM's own), which store them where vLLM's EC connector reads them; then the "
+                    "request goes on, unchanged, to a healthy prefill/decode vLLM server, and its "
+                    "answer comes back as it arrives. SIGINT or SIGTERM exits 0.\n\nEvery option "
+                    "is also an EPD_* environment variable (--port: EPD_PORT); a flag wins over "
+                    "its variable."),
+    "epilog": """examples:
+  # two encoders and one vLLM server behind the proxy on 127.0.0.1:8000
+  epd-trio proxy --encoder-urls http://127.0.0.1:8001,http://127.0.0.1:8002 \\
+      --prefill-decode-urls http://127.0.0.1:8100
+  # encoders discovered in a registry, two language servers, reachable from other hosts
+  epd-trio proxy --host 0.0.0.0 --bootstrap-url http://registry:8997 \\
+      --prefill-decode-urls http://vllm-a:8100,http://vllm-b:8100""",
+})
+_DEMO: Mapping[str, Any] = MappingProxyType({
+    "description": ("Start a bootstrap registry and --encoders encoders in one program, encode five "
+                    "sample images split across them through a client that discovers them in the "
+                    "registry, check the stitched result against a local encode, and print a "
+                    "table. The model is the embedded tiny random-weight one unless --model-path "
+                    "names a checkpoint; the engine's options (--help=all) apply to every encoder."),
+    "epilog": """examples:
+  epd-trio demo
+  # four encoders, embeddings written through Mooncake (needs the mooncake extra)
+  epd-trio demo --encoders 4 --transfer-backend mooncake
+  # a checkpoint on a GPU
+  epd-trio demo --model-path /models/Qwen2.5-VL-3B-Instruct --device cuda""",
+})
+_TINY: Mapping[str, Any] = MappingProxyType({
+    "description": ("Write a tiny checkpoint of a real architecture with random weights, in the "
+                    "layout of a Hugging Face download (config.json, safetensors, the processors' "
+                    "configs), for tests and trials without a download: its embeddings mean "
+                    "nothing, but every code path runs for real."),
+    "epilog": """examples:
+  epd-trio make-tiny-model /tmp/tiny-qwen2_5_vl
+  epd-trio make-tiny-model /tmp/tiny-qwen2_audio --arch qwen2_audio --seed 7
+  epd-trio encoder --model-path /tmp/tiny-qwen2_5_vl""",
+})
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from epd_trio.model.tiny import TINY_ARCHES
+    parser = CommandParser(prog="epd-trio", **_MAIN)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND")
 
-    parser = _Parser(prog="epd-trio", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    tiny = sub.add_parser("make-tiny-model", help="write a tiny random-weight checkpoint")
-    tiny.add_argument("directory")
-    tiny.add_argument("--arch", choices=TINY_ARCHES, default="qwen2_5_vl")
-    tiny.add_argument("--seed", type=_bounded(0, 2**63 - 1), default=0)
-    tiny.set_defaults(run=_make_tiny_model)
-
-    encoder = sub.add_parser("encoder", help="serve the encoder over HTTP (SIGINT/SIGTERM drain, exit 0)")
+    encoder = sub.add_parser("encoder", help="serve the encoder", **_ENCODER,
+                             brief=("model_path", "device", "host", "port", "api", "transfer_backend",
+                                    "register_url", "log_level"))
     add_config_arguments(encoder, EncoderConfig)
     encoder.set_defaults(run=_encoder)
 
-    bootstrap = sub.add_parser("bootstrap", help="serve the bootstrap registry encoders register with "
-                               "and clients discover them from (SIGINT/SIGTERM exit 0)")
+    bootstrap = sub.add_parser("bootstrap", help="serve the registry encoders register with and "
+                               "clients discover them from", **_BOOTSTRAP,
+                               brief=("host", "port", "auth_token", "log_level"))
     add_config_arguments(bootstrap, BootstrapConfig)
     bootstrap.set_defaults(run=_bootstrap)
 
-    proxy = sub.add_parser("proxy", help="serve the EPD proxy in front of vLLM: OpenAI requests' "
-                           "media stored by encoders (--api vllm), then the request forwarded to a "
-                           "prefill/decode server, streams relayed (SIGINT/SIGTERM exit 0)")
+    proxy = sub.add_parser("proxy", help="serve the EPD proxy in front of vLLM language servers",
+                           **_PROXY, brief=("host", "port", "encoder_urls", "bootstrap_url",
+                                            "prefill_decode_urls", "log_level"))
     add_config_arguments(proxy, ProxyConfig)
     proxy.set_defaults(run=_proxy)
 
-    demo = sub.add_parser("demo", help="two encoders and a client in one program: encode sample "
-                          "images split across both, check, print a table")
-    demo.add_argument("--encoders", type=_bounded(1, 16), default=2, help="how many encoders to start (1-16)")
-    demo.add_argument("--transfer-backend", choices=("zmq", "mooncake"), default="zmq",
-                      help="how embeddings travel (mooncake needs the mooncake extra)")
+    demo = sub.add_parser("demo", help="a registry, encoders and a client in one program: encode, "
+                          "check, print a table", **_DEMO,
+                          brief=("encoders", "transfer_backend", "model_path", "device"))
+    demo.add_argument("--encoders", type=_bounded(1, 16), default=2, metavar="N",
+                      help="how many encoders to start, 1-16 [default: 2]")
+    demo.add_argument("--transfer-backend", choices=ENCODER_BACKENDS, default="zmq",
+                      help="how embeddings travel (mooncake needs the mooncake extra) [default: zmq]")
     add_config_arguments(demo, EngineConfig)
     demo.set_defaults(run=_demo)
+
+    _add_make_tiny_model(sub)
     return parser
 
 
-class _Parser(argparse.ArgumentParser):
-    """A bad flag is one line, as every other start-up error is (not the whole usage)."""
+def _add_make_tiny_model(sub: Any) -> None:
+    from epd_trio.model.tiny import TINY_ARCHES
 
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+    tiny = sub.add_parser("make-tiny-model", help="write a tiny random-weight checkpoint", **_TINY)
+    tiny.add_argument("directory", help="where to write it: a new or empty directory, or one "
+                      "holding a tiny model (written over); one with other files is refused")
+    tiny.add_argument("--arch", choices=TINY_ARCHES, default="qwen2_5_vl",
+                      help="the architecture: qwen2_5_vl (Qwen2.5-VL), qwen2_vl (Qwen2-VL), "
+                      "qwen3_vl (Qwen3-VL) or qwen2_audio (Qwen2-Audio) [default: qwen2_5_vl]")
+    tiny.add_argument("--seed", type=_bounded(0, 2**63 - 1), default=0, metavar="N",
+                      help="seed of the random weights: one seed, one set of weights [default: 0]")
+    tiny.set_defaults(run=_make_tiny_model)
 
 
 def _bounded(low: int, high: int) -> Callable[[str], int]:

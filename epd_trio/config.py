@@ -1,30 +1,36 @@
-"""Configuration: one dataclass per component, and the one place where CLI flags
-and ``EPD_*`` environment variables are mapped onto them.
+"""Configuration: one dataclass per component, every field documented and checked.
 
-Every field becomes a flag ``--field-name`` and a variable ``EPD_FIELD_NAME``.
-Precedence: an explicit flag, then the variable, then the field's default.
-With ``--api sglang`` a field may also read SGLang's own variable for it
-(``sglang_env`` in its metadata: ``SGLANG_ENCODER_REQ_TIMEOUT``,
-``SGLANG_ENCODER_SEND_TIMEOUT``), below ours: flag, ``EPD_*``, ``SGLANG_*``, default.
-The field's ``help`` metadata is the flag's help text and the README's table.
+Every field is also a flag and an ``EPD_*`` environment variable; ``epd_trio._options``
+maps them (``add_config_arguments``, ``config_from_args``, ``config_from_env``, re-exported
+here), in option groups (``GROUPS``), from each field's metadata: its ``help``, ``group``
+and, where they apply, ``choices`` (the values taken: shown in --help and checked here) and
+``size`` (bytes, also taken with a unit).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import functools
 import json
 import logging
 import math
 import os
 import re
-import types
-import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
+
+from epd_trio._options import (
+    GROUPS,
+    GiB,
+    KiB,
+    MiB,
+    add_config_arguments,
+    config_from_args,
+    config_from_env,
+    env_name,
+    flag_name,
+)
 
 __all__ = [
     "BootstrapConfig",
@@ -43,23 +49,37 @@ __all__ = [
     "parse_ec_transfer_config",
 ]
 
-C = TypeVar("C")
-
 APIS = ("native", "sglang", "vllm")
 SGLANG_BACKENDS = ("zmq_to_scheduler", "zmq_to_tokenizer", "mooncake")
+ENCODER_BACKENDS = ("zmq", "mooncake")
+CLIENT_BACKENDS = ("zmq", "mooncake", "inline")
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 HTTP_SERVERS = ("builtin", "hypercorn")  # as epd_trio._listen serves them
-_HTTP_SERVER_HELP = ("the HTTP server: builtin (epd_trio's lean HTTP/1.1 server on h11; README, "
-                     "The HTTP server) or hypercorn (Hypercorn's trio worker, as before)")
+_HTTP_SERVER_HELP = ("the HTTP server: builtin (epd_trio's lean HTTP/1.1 server on h11) or hypercorn "
+                     "(Hypercorn's trio worker)")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+PREPROCESS_MODES = ("thread", "process")
+EC_CONNECTORS = ("ECExampleConnector", "ECMooncakeConnector")  # the vLLM EC connectors served
+EC_STORAGE_DEFAULT = "/tmp"  # vLLM's ECExampleConnector default shared_storage_path
+EC_MOONCAKE_PROTOCOL = "rdma"  # vLLM's ECMooncakeConnector default mooncake_protocol
+EC_CONTROL_TIMEOUT = 30.0  # vLLM's ECMooncakeConnector default control_timeout_s
+MM_HASH_ALGORITHMS = ("blake3", "sha256", "sha512")  # vLLM's --mm-hasher-algorithm
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_LOG_METAVAR = "{" + ",".join(LOG_LEVELS) + "}"
 MAX_THREADS = 1024  # torch threads of one forward or worker: far past any core count, short of a crash
 _DEVICE = re.compile(r"cpu(?::0)?|cuda(?::[0-9]{1,3})?")
 _INT32_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
 
 
-def _opt(default: Any, help: str, *, secret: bool = False, **kw: Any) -> Any:
-    """A config field; a ``secret`` one is kept out of the dataclass's repr (and so out of logs)."""
-    return dataclasses.field(default=default, repr=not secret, metadata={"help": help, **kw})
+def _opt(default: Any, help: str, *, group: str | None = None, secret: bool = False, **kw: Any) -> Any:
+    """A config field in one of ``GROUPS``; a ``secret`` one is kept out of the dataclass's
+    repr (and so out of logs). ``choices``: the values taken, shown and checked; ``size``: a
+    byte count, also taken with a unit (``128MiB``)."""
+    if group is not None and group not in GROUPS:
+        raise ValueError(f"unknown option group {group!r}: one of {', '.join(GROUPS)}")
+    meta = {"help": help, **kw} | ({"group": group} if group else {})
+    return dataclasses.field(default=default, repr=not secret, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -67,72 +87,88 @@ class EngineConfig:
     """The in-process encoder engine: model, batching, preprocessing, media limits."""
 
     model_path: str | None = _opt(
-        None, "local Hugging Face checkpoint directory of the full multimodal model "
-        "(default: the embedded tiny random-weight qwen2_5_vl, generated on first use)")
+        None, "local Hugging Face checkpoint directory of the full multimodal model (default: the "
+        "embedded tiny random-weight qwen2_5_vl, generated on first use)", group="model")
     device: str = _opt("cpu", "torch device for the encoder (cpu, cuda, cuda:1); a comma-separated "
-                       "list (cuda:0,cuda:1) runs one worker per device behind one admission bound (data parallel)")
-    dtype: str = _opt("auto", "auto (the checkpoint's), float32, bfloat16 or float16")
+                       "list (cuda:0,cuda:1) runs one worker per device behind one admission bound "
+                       "(data parallel)", group="model")
+    dtype: str = _opt("auto", "dtype of the encoder's weights; auto: the checkpoint's own",
+                      group="model", choices=DTYPES)
     compile: bool = _opt(False, "torch.compile the encoder's forward (dynamic shapes; the first "
-                         "batches of each new size are slow while it compiles)")
+                         "batches of each new size are slow while it compiles)", group="model")
     cpu_threads: int = _opt(0, "torch intra-op threads of each forward on a CPU device (0 = the "
                             "cores this process may use, shared among the CPU workers); "
-                            "ignored on GPUs")
+                            "ignored on GPUs", group="model")
     preprocess_threads: int = _opt(1, "torch intra-op threads of each preprocessing worker, thread or "
-                                   "process (1: no OpenMP team of its own competing with the forward)")
-    max_batch_size: int = _opt(8, "most requests in one forward")
-    max_batch_tokens: int = _opt(65536, "most output tokens in one forward (the oldest request always runs)")
-    coalesce_delay: float = _opt(0.0, "seconds a non-full batch waits for company (0 = never)")
-    max_pending: int = _opt(256, "admitted requests (preprocessing, queued or running); over it → 503")
-    preprocess_workers: int = _opt(2, "preprocessing workers running in parallel with the forward (threads, or processes with --preprocess-mode process)")
-    media_root: str | None = _opt(None, "directory local-path items may be read from (off by default)")
-    max_image_pixels: int = _opt(40_000_000, "largest image (width × height) accepted, checked before decoding")
-    max_item_bytes: int = _opt(64 * 1024 * 1024, "largest encoded media item in bytes (data URI, URL, file)")
-    fetch_timeout: float = _opt(10.0, "seconds allowed to fetch one http(s) item")
+                                   "process (1: no OpenMP team of its own competing with the forward)",
+                                   group="preprocessing")
+    max_batch_size: int = _opt(8, "most requests in one forward", group="batching")
+    max_batch_tokens: int = _opt(65536, "most output tokens in one forward (the oldest request always "
+                                 "runs)", group="batching")
+    coalesce_delay: float = _opt(0.0, "seconds a non-full batch waits for company (0 = never)",
+                                 group="batching")
+    adaptive_batch: bool = _opt(True, "learn, per device and modality, the tokens per forward past "
+                                "which throughput stops growing, and batch no further than that "
+                                "(re-measured now and then; --max-batch-size and "
+                                "--max-batch-tokens stay the ceilings); off: batches fill to "
+                                "the ceilings", group="batching")
+    max_pending: int = _opt(256, "admitted requests (preprocessing, queued or running); over it → 503",
+                            group="batching")
+    preprocess_workers: int = _opt(2, "preprocessing workers running in parallel with the forward "
+                                   "(threads, or processes with --preprocess-mode process)",
+                                   group="preprocessing")
+    media_root: str | None = _opt(None, "directory local-path items may be read from (default: "
+                                  "none, local paths are refused)", group="security")
+    max_image_pixels: int = _opt(40_000_000, "largest image (width × height) accepted, checked "
+                                 "before decoding", group="media")
+    max_item_bytes: int = _opt(64 * MiB, "largest encoded media item (data URI, URL, file)",
+                               group="media", size=True)
+    fetch_timeout: float = _opt(10.0, "seconds allowed to fetch one http(s) item", group="media")
     max_request_pixels: int = _opt(160_000_000, "most pixels of all images of one request together, "
-                                   "checked on their headers before any is decoded")
+                                   "checked on their headers before any is decoded", group="media")
     fetch_allow_hosts: tuple[str, ...] = _opt((), "hosts http(s) items may be fetched from "
                                               "(example.com also allows its subdomains); empty: "
-                                              "any (the address rules still apply)")
+                                              "any (the address rules still apply)", group="security")
     fetch_deny_private: bool = _opt(False, "also refuse http(s) items and redirects to loopback, "
                                     "private and other non-global addresses (cloud-metadata and "
                                     "link-local ones are refused always), names checked by what "
-                                    "they resolve to")
+                                    "they resolve to", group="security")
     max_redirects: int = _opt(3, "redirects followed when fetching an item (each hop checked by "
-                              "the same rules)")
+                              "the same rules)", group="media")
     video_fps: float = _opt(2.0, "frames per second sampled from a video file (by the model's own "
-                            "sampling rule); a list of frames counts as sampled at this rate")
-    video_min_frames: int = _opt(4, "fewest frames sampled from a video file")
-    video_max_frames: int = _opt(768, "most frames sampled from a video file, or given as a list")
+                            "sampling rule); a list of frames counts as sampled at this rate",
+                            group="preprocessing")
+    video_min_frames: int = _opt(4, "fewest frames sampled from a video file", group="preprocessing")
+    video_max_frames: int = _opt(768, "most frames sampled from a video file, or given as a list",
+                                 group="preprocessing")
     max_video_seconds: float = _opt(3600.0, "longest video file accepted, in seconds "
-                                    "(checked on the container before decoding)")
+                                    "(checked on the container before decoding)", group="media")
     max_video_frames: int = _opt(200_000, "most frames a video file may have in its source "
-                                 "(before sampling)")
+                                 "(before sampling)", group="media")
     max_video_pixels: int = _opt(768 * 1280 * 720, "most pixels (frames × width × height) of the "
-                                 "frames one video gives the model")
+                                 "frames one video gives the model", group="media")
     max_audio_seconds: float = _opt(30.0, "longest audio item accepted, in seconds (never cut; "
-                                    "the model's own window is a second bound)")
+                                    "the model's own window is a second bound)", group="media")
     cache_dir: str | None = _opt(None, "where the embedded tiny model is generated "
-                                 "(default: $XDG_CACHE_HOME/epd_trio or ~/.cache/epd_trio)")
+                                 "(default: $XDG_CACHE_HOME/epd_trio or ~/.cache/epd_trio)", group="model")
     cache_mb: int = _opt(0, "host memory for the embedding cache in MiB: items seen before (by "
                          "their hashes entry, else their content) skip preprocessing and the "
-                         "forward; LRU by bytes; 0 = off")
-    # ---- where preprocessing runs (issue 17, items 2 and 3) ----
-    preprocess_mode: str = _opt("thread", "thread (preprocess in --preprocess-workers threads of the "
-                                "encoder process) or process (in a pool of --preprocess-workers "
-                                "spawned processes; tensors come back through shared memory)")
+                         "forward; LRU by bytes; 0 = off", group="batching")
+    preprocess_mode: str = _opt("thread", "thread: preprocess in --preprocess-workers threads of the "
+                                "encoder process; process: in a pool of --preprocess-workers "
+                                "spawned processes (tensors come back through shared memory)",
+                                group="preprocessing", choices=PREPROCESS_MODES)
     preprocess_device: str | None = _opt(None, "torch device the image processor runs on (cpu, cuda, "
                                          "cuda:1; on CUDA a JPEG is decoded there too, on the "
                                          "preprocessing thread's own stream); default: the "
-                                         "processor's own CPU path")
+                                         "processor's own CPU path", group="preprocessing")
     null_forward: bool = _opt(False, "BENCHMARKING ONLY: skip the model's forward and answer zeros "
                               "of the right shape and dtype (token counts from the model's own "
                               "processor), so a benchmark measures everything but the model; the "
-                              "weights are still loaded")
+                              "weights are still loaded", group="model")
 
     def __post_init__(self) -> None:
-        _check_numbers(self)
-        if self.preprocess_mode not in ("thread", "process"):
-            raise ValueError(f"preprocess_mode must be thread or process, got {self.preprocess_mode!r}")
+        _check_fields(self)
         if self.preprocess_mode == "process" and self.preprocess_device not in (None, "cpu"):
             raise ValueError("preprocess_mode process runs on the CPU: it cannot take "
                              f"preprocess_device {self.preprocess_device!r}")
@@ -175,85 +211,100 @@ class EngineConfig:
 class EncoderConfig:
     """The encoder server: HTTP, request lifecycle deadlines, delivery. Holds its engine's config."""
 
-    host: str = _opt("127.0.0.1", "address to listen on")
-    port: int = _opt(8000, "port to listen on (0 picks a free one)")
+    host: str = _opt("127.0.0.1", "address to listen on", group="serving")
+    port: int = _opt(8000, "port to listen on (0 picks a free one)", group="serving")
     grpc_port: int | None = _opt(None, "also serve gRPC on this port (0 picks a free one), on the "
                                  "same host and runtime: SGLang's SglangEncoder, epd_trio.v1.Encoder, "
-                                 "grpc.health.v1 and reflection; default: no gRPC")
+                                 "grpc.health.v1 and reflection; default: no gRPC", group="serving")
     api: str = _opt("native", "the HTTP face: native (epd_trio's protocol v1), sglang (SGLang "
                     "0.5.23's encoder routes and bodies, a drop-in for its --encoder-only server) "
                     "or vllm (vLLM 0.32's EPD encoder instance: OpenAI /v1/chat/completions, "
-                    "embeddings to vLLM's EC connector; needs --ec-transfer-config)")
+                    "embeddings to vLLM's EC connector; needs --ec-transfer-config)",
+                    group="serving", choices=APIS)
     encoder_transfer_backend: str = _opt("zmq_to_scheduler", "with --api sglang, how embeddings "
-                                         "reach SGLang: zmq_to_scheduler, zmq_to_tokenizer or "
-                                         "mooncake (SGLang's own flag and values)")
+                                         "reach SGLang (SGLang's own flag and values)",
+                                         group="delivery", choices=SGLANG_BACKENDS)
     sglang_max_early_calls: int = _opt(4096, "with --api sglang, most /scheduler_receive_url and "
                                        "/scheduler_receive_meta_data calls (gRPC: SchedulerReceiveUrl, "
                                        "Send) waiting at once for parts no delivery holds yet (their "
-                                       "/encode not come or not yet preprocessed) (→ 503)")
+                                       "/encode not come or not yet preprocessed) (→ 503)",
+                                       group="delivery")
     ec_transfer_config: str | None = _opt(
         None, "with --api vllm, vLLM's own --ec-transfer-config JSON for an encoder instance: "
-        "ec_connector ECExampleConnector, ec_role ec_producer, ec_connector_extra_config."
-        "shared_storage_path (default /tmp, as vLLM's)")
+        "ec_role ec_producer, and ec_connector ECExampleConnector (ec_connector_extra_config."
+        "shared_storage_path, default /tmp) or ECMooncakeConnector (mooncake_protocol, default "
+        "rdma; control_timeout_s, default 30), with vLLM's defaults", group="delivery")
     vllm_model: str | None = _opt(
         None, "with --api vllm, the vLLM language server's --model string exactly as it was given "
         "there: it enters every item's mm_hash, so it must equal the consumer's (default: "
-        "--model-path as given)")
+        "--model-path as given)", group="serving")
     served_model_name: str | None = _opt(
         None, "with --api vllm, the model name requests may carry and /v1/models lists (vLLM's "
-        "--served-model-name; default: --vllm-model)")
-    mm_hasher_algorithm: str = _opt("blake3", "with --api vllm, the consumer's --mm-hasher-algorithm: "
-                                    "blake3, sha256 or sha512")
+        "--served-model-name; default: --vllm-model)", group="serving")
+    mm_hasher_algorithm: str = _opt("blake3", "with --api vllm, the consumer's --mm-hasher-algorithm",
+                                    group="delivery", choices=MM_HASH_ALGORITHMS)
     request_timeout: float = _opt(180.0, "seconds a request may live, from arrival to delivery (→ 504)",
-                                  sglang_env="SGLANG_ENCODER_REQ_TIMEOUT")
-    send_timeout: float = _opt(60.0, "seconds one delivery may take (ZMQ send, Mooncake /send wait) (→ 504)",
-                               sglang_env="SGLANG_ENCODER_SEND_TIMEOUT")
-    health_timeout: float = _opt(30.0, "seconds the /health probe encode may take (→ 503)")
-    health_fresh: float = _opt(5.0, "a batch completed this recently makes /health answer without a probe")
-    drain_timeout: float = _opt(30.0, "seconds in-flight requests get to finish on shutdown")
-    max_body_bytes: int = _opt(128 * 1024 * 1024, "largest /encode body in bytes (→ 413)")
-    max_items: int = _opt(256, "most mm_items in one request (→ 400)")
-    zmq_idle_close: float = _opt(60.0, "seconds an unused ZMQ PUSH socket stays open")
-    zmq_max_sockets: int = _opt(256, "most cached ZMQ PUSH sockets (one per destination)")
+                                  group="serving", sglang_env="SGLANG_ENCODER_REQ_TIMEOUT")
+    send_timeout: float = _opt(60.0, "seconds one delivery may take (ZMQ send, Mooncake /send wait) "
+                               "(→ 504)", group="delivery", sglang_env="SGLANG_ENCODER_SEND_TIMEOUT")
+    health_timeout: float = _opt(30.0, "seconds the /health probe encode may take (→ 503)",
+                                 group="operations")
+    health_fresh: float = _opt(5.0, "a batch completed this recently makes /health answer without a "
+                               "probe", group="operations")
+    drain_timeout: float = _opt(30.0, "seconds in-flight requests get to finish on shutdown",
+                                group="operations")
+    max_body_bytes: int = _opt(128 * MiB, "largest /encode body (→ 413)", group="serving", size=True)
+    max_items: int = _opt(256, "most mm_items in one request (→ 400)", group="serving")
+    zmq_idle_close: float = _opt(60.0, "seconds an unused ZMQ PUSH socket stays open", group="delivery")
+    zmq_max_sockets: int = _opt(256, "most cached ZMQ PUSH sockets (one per destination)",
+                                group="delivery")
     zmq_sndhwm: int = _opt(64, "messages queued per ZMQ destination before a send waits (each "
                            "holds its embedding's memory: this bounds what a receiver that stops "
-                           "reading pins, and its sends time out after --send-timeout)")
-    transfer_backend: str = _opt("zmq", "zmq (inline and ZMQ delivery) or mooncake (also Mooncake "
-                                 "transfer-engine writes; needs the mooncake extra)")
-    mooncake_protocol: str = _opt("tcp", "Mooncake transport: tcp, or rdma where RDMA NICs exist")
-    mooncake_device: str = _opt("", "Mooncake RDMA device names (e.g. mlx5_0), empty for tcp")
+                           "reading pins, and its sends time out after --send-timeout)", group="delivery")
+    transfer_backend: str = _opt("zmq", "how the native face delivers: zmq (inline and ZMQ) or "
+                                 "mooncake (also Mooncake transfer-engine writes; needs the mooncake "
+                                 "extra)", group="delivery", choices=ENCODER_BACKENDS)
+    mooncake_protocol: str = _opt("tcp", "Mooncake transport: rdma where RDMA NICs exist",
+                                  group="delivery", choices=MOONCAKE_PROTOCOLS)
+    mooncake_device: str = _opt("", "Mooncake RDMA device names (e.g. mlx5_0); empty for tcp",
+                                group="delivery")
     mooncake_host: str | None = _opt(None, "address Mooncake peers reach this encoder at "
-                                     "(default: --host, or 127.0.0.1 when that is 0.0.0.0 or ::)")
-    register_url: tuple[str, ...] = _opt((), "bootstrap registry URL to register this encoder with "
-                                         "(repeatable; the variable takes a comma-separated list)")
+                                     "(default: --host, or when that is 0.0.0.0 or :: the "
+                                     "advertised URL's host)", group="delivery")
+    register_url: tuple[str, ...] = _opt((), "bootstrap registry URL to register this encoder with",
+                                         group="registry")
     advertise_url: str | None = _opt(None, "URL registries and clients reach this encoder at "
                                      "(default: the bound http://host:port; a wildcard host becomes "
-                                     "this machine's hostname)")
+                                     "this host's address on the route to the first --register-url "
+                                     "registry on another host, else this machine's hostname; "
+                                     "loopback told to a registry on another host is refused at "
+                                     "start)", group="registry")
     heartbeat_interval: float = _opt(30.0, "seconds between re-announcements to each registry "
-                                     "(a restarted registry is refilled within one)")
+                                     "(a restarted registry is refilled within one)", group="registry")
     registry_auth_token: str | None = _opt(None, "bearer token for the registries' register and "
                                            "unregister calls (prefer the variable: flags show in ps)",
-                                           secret=True)
+                                           group="security", secret=True)
     auth_token: str | None = _opt(None, "bearer token the admin endpoints (/abort, profiling) need; "
-                                  "prefer the variable: flags show in ps", secret=True)
-    require_auth_for_encode: bool = _opt(False, "also require the auth token on /encode and /send")
-    max_header_bytes: int = _opt(16 * 1024, "largest HTTP request head (request line + headers) "
-                                 "accepted")
-    http_server: str = _opt("builtin", _HTTP_SERVER_HELP)
+                                  "prefer the variable: flags show in ps", group="security", secret=True)
+    require_auth_for_encode: bool = _opt(False, "also require the auth token on /encode and /send",
+                                         group="security")
+    max_header_bytes: int = _opt(16 * KiB, "largest HTTP request head (request line + headers) "
+                                 "accepted", group="serving", size=True)
+    http_server: str = _opt("builtin", _HTTP_SERVER_HELP, group="serving", choices=HTTP_SERVERS)
     profile_dir: str | None = _opt(None, "directory POST /start_profile writes Chrome traces under "
                                    "(a request's output_dir must lie inside it; default: a new "
-                                   "temporary directory)")
-    log_level: str = _opt("INFO", "logging level")
+                                   "temporary directory)", group="operations")
+    log_level: str = _opt("INFO", "logging level (any case)", group="operations", metavar=_LOG_METAVAR)
     cpu_keep_freed_memory: bool = _opt(True, "with a CPU device, glibc's malloc keeps freed memory "
                                        "for the next batch instead of handing it back to the "
                                        "kernel, which would zero its pages again (the heap keeps "
                                        "its high-water mark); process-wide, so applied by "
                                        "epd-trio encoder once serving (embedders: "
-                                       "epd_trio.engine.heap.keep_freed_memory)")
+                                       "epd_trio.engine.heap.keep_freed_memory)", group="operations")
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig, metadata={"nested": True})
 
     def __post_init__(self) -> None:
-        _check_numbers(self)
+        _check_fields(self)
         _require(self, lambda v: v > 0, "> 0", "request_timeout", "send_timeout", "health_timeout",
                  "drain_timeout", "heartbeat_interval", "zmq_idle_close")
         _require(self, lambda v: v >= 0, ">= 0", "health_fresh")
@@ -262,14 +313,6 @@ class EncoderConfig:
             raise ValueError(f"{_named('grpc_port')} must be in 0..65535, got {self.grpc_port}")
         if self.grpc_port and self.grpc_port == self.port:
             raise ValueError(f"{_named('grpc_port')} must differ from {_named('port')}: both are {self.port}")
-        if self.transfer_backend not in ("zmq", "mooncake"):
-            raise ValueError(f"transfer_backend must be zmq or mooncake, got {self.transfer_backend!r}")
-        _check_http_server(self.http_server)
-        if self.api not in APIS:
-            raise ValueError(f"api must be one of {', '.join(APIS)}, got {self.api!r}")
-        if self.encoder_transfer_backend not in SGLANG_BACKENDS:
-            raise ValueError(f"encoder_transfer_backend must be one of {', '.join(SGLANG_BACKENDS)}, "
-                             f"got {self.encoder_transfer_backend!r}")
         _check_vllm(self)
         _require(self, lambda v: v >= 1, "at least 1", "max_body_bytes", "max_items", "zmq_max_sockets",
                  "zmq_sndhwm", "sglang_max_early_calls")
@@ -292,62 +335,81 @@ class EncoderConfig:
             object.__setattr__(self, "advertise_url", _url(self.advertise_url, "advertise_url"))
 
     @property
-    def vllm_storage_path(self) -> str | None:
-        """With --api vllm, the shared-storage directory of its EC connector; else None."""
+    def vllm_ec(self) -> EcTransfer | None:
+        """With --api vllm, its parsed --ec-transfer-config; else None."""
         if self.api != "vllm" or self.ec_transfer_config is None:
             return None
-        return parse_ec_transfer_config(self.ec_transfer_config).storage_path
+        return parse_ec_transfer_config(self.ec_transfer_config)
+
+    @property
+    def vllm_storage_path(self) -> str | None:
+        """With --api vllm and ECExampleConnector, its shared-storage directory; else None."""
+        ec = self.vllm_ec
+        return ec.storage_path if ec is not None else None
 
     @property
     def uses_mooncake(self) -> bool:
-        """Whether this encoder opens a Mooncake transfer engine (either face may ask for one)."""
+        """Whether this encoder opens a Mooncake transfer engine (any face may ask for one)."""
         if self.api == "sglang":
             return self.encoder_transfer_backend == "mooncake"
+        ec = self.vllm_ec
+        if ec is not None:
+            return ec.mooncake_protocol is not None
         return self.transfer_backend == "mooncake"
+
+    @property
+    def effective_mooncake_protocol(self) -> str:
+        """The transfer engine's protocol: vLLM's JSON names it for ECMooncakeConnector."""
+        ec = self.vllm_ec
+        if ec is not None and ec.mooncake_protocol is not None:
+            return ec.mooncake_protocol
+        return self.mooncake_protocol
 
 
 @dataclass(frozen=True)
 class BootstrapConfig:
     """The bootstrap registry: encoders register with it, clients ask it for the healthy ones."""
 
-    host: str = _opt("127.0.0.1", "address to listen on")
-    port: int = _opt(8997, "port to listen on (0 picks a free one)")
+    host: str = _opt("127.0.0.1", "address to listen on", group="serving")
+    port: int = _opt(8997, "port to listen on (0 picks a free one)", group="serving")
     health_interval: float = _opt(10.0, "seconds between health rounds (GET /health on every encoder, "
-                                  "concurrently)")
-    health_timeout: float = _opt(2.0, "seconds one health probe may take before it counts as missed")
-    max_failures: int = _opt(3, "consecutive missed probes that evict an encoder from the list")
+                                  "concurrently)", group="registry")
+    health_timeout: float = _opt(2.0, "seconds one health probe may take before it counts as missed",
+                                 group="registry")
+    max_failures: int = _opt(3, "consecutive missed probes that evict an encoder from the list",
+                             group="registry")
     evicted_ttl: float = _opt(600.0, "seconds an evicted encoder is still probed (and revived when "
-                              "healthy) before it is forgotten")
+                              "healthy) before it is forgotten", group="registry")
     max_encoders: int = _opt(1024, "most encoders the registry holds, healthy or evicted (each is probed "
-                             "every round); a registration over it → 503")
+                             "every round); a registration over it → 503", group="registry")
     auth_token: str | None = _opt(None, "bearer token that register and unregister calls must carry "
                                   "(default: none needed; prefer the variable: flags show in ps)",
-                                  secret=True)
-    http_server: str = _opt("builtin", _HTTP_SERVER_HELP)
-    log_level: str = _opt("INFO", "logging level")
+                                  group="security", secret=True)
+    http_server: str = _opt("builtin", _HTTP_SERVER_HELP, group="serving", choices=HTTP_SERVERS)
+    log_level: str = _opt("INFO", "logging level (any case)", group="operations", metavar=_LOG_METAVAR)
 
     def __post_init__(self) -> None:
-        _check_numbers(self)
+        _check_fields(self)
         _require(self, lambda v: v > 0, "> 0", "health_interval", "health_timeout", "evicted_ttl")
         _check_listen(self.host, self.port)
-        _check_http_server(self.http_server)
         _require(self, lambda v: v >= 1, "at least 1", "max_failures", "max_encoders")
         _check_token("auth_token", self.auth_token)
         check_log_level(self.log_level)
 
 
-EC_CONNECTORS = ("ECExampleConnector",)  # the vLLM EC connectors an encoder writes for
-EC_STORAGE_DEFAULT = "/tmp"  # vLLM's ECExampleConnector default shared_storage_path
-MM_HASH_ALGORITHMS = ("blake3", "sha256", "sha512")  # vLLM's --mm-hasher-algorithm
-
-
 @dataclass(frozen=True)
 class EcTransfer:
-    """The parts of vLLM's ``--ec-transfer-config`` this encoder acts on."""
+    """The parts of vLLM's ``--ec-transfer-config`` this encoder acts on.
+
+    ECExampleConnector sets ``storage_path``; ECMooncakeConnector sets
+    ``mooncake_protocol`` and ``control_timeout`` (the other is None).
+    """
 
     connector: str
     role: str
-    storage_path: str
+    storage_path: str | None
+    mooncake_protocol: str | None = None
+    control_timeout: float | None = None
 
 
 def parse_ec_transfer_config(raw: str) -> EcTransfer:
@@ -365,11 +427,32 @@ def parse_ec_transfer_config(raw: str) -> EcTransfer:
     if role != "ec_producer":
         raise ValueError(f"ec_transfer_config: an encoder's ec_role is ec_producer, got {role!r}")
     extra = config.get("ec_connector_extra_config") or {}
-    path = extra.get("shared_storage_path", EC_STORAGE_DEFAULT) if isinstance(extra, dict) else None
+    if not isinstance(extra, dict):
+        raise ValueError("ec_transfer_config: ec_connector_extra_config must be a JSON object")
+    if connector == "ECMooncakeConnector":
+        return _mooncake_ec(connector, role, extra)
+    path = extra.get("shared_storage_path", EC_STORAGE_DEFAULT)
     if not isinstance(path, str) or not path:
         raise ValueError("ec_transfer_config: ec_connector_extra_config.shared_storage_path must be "
                          "a directory path")
     return EcTransfer(connector, role, path)
+
+
+def _mooncake_ec(connector: str, role: str, extra: dict[str, Any]) -> EcTransfer:
+    """ECMooncakeConnector's producer settings, with vLLM's defaults and checks."""
+    protocol = extra.get("mooncake_protocol", EC_MOONCAKE_PROTOCOL)
+    if protocol not in MOONCAKE_PROTOCOLS:  # the transports --mooncake-protocol takes too
+        raise ValueError("ec_transfer_config: ec_connector_extra_config.mooncake_protocol must be "
+                         f"one of {', '.join(MOONCAKE_PROTOCOLS)}, got {protocol!r}")
+    timeout = extra.get("control_timeout_s", EC_CONTROL_TIMEOUT)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+            not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError("ec_transfer_config: ec_connector_extra_config.control_timeout_s must be a "
+                         f"number > 0, got {timeout!r}")
+    if extra.get("cross_encoder_cache", False) is not False:
+        raise ValueError("ec_transfer_config: cross_encoder_cache (vLLM's Mooncake Store) is not "
+                         "supported by this encoder")
+    return EcTransfer(connector, role, None, protocol, float(timeout))
 
 
 def _check_vllm(config: EncoderConfig) -> None:
@@ -380,14 +463,6 @@ def _check_vllm(config: EncoderConfig) -> None:
         raise ValueError("--api vllm needs ec_transfer_config (--ec-transfer-config): vLLM's JSON "
                          "naming the EC connector and its storage")
     parse_ec_transfer_config(config.ec_transfer_config)
-    if config.mm_hasher_algorithm not in MM_HASH_ALGORITHMS:
-        raise ValueError(f"{_named('mm_hasher_algorithm')} must be one of {', '.join(MM_HASH_ALGORITHMS)}, "
-                         f"got {config.mm_hasher_algorithm!r}")
-
-
-def _check_http_server(value: str) -> None:
-    if value not in HTTP_SERVERS:
-        raise ValueError(f"{_named('http_server')} must be one of {', '.join(HTTP_SERVERS)}, got {value!r}")
 
 
 def _named(name: str) -> str:
@@ -402,15 +477,19 @@ def _require(config: Any, ok: Callable[[Any], bool], rule: str, *names: str) -> 
             raise ValueError(f"{_named(name)} must be {rule}, got {value!r}")
 
 
-def _check_numbers(config: Any) -> None:
+def _check_fields(config: Any) -> None:
     """Every number finite and within 64 bits: NaN passes every ``<=`` check (a NaN timeout
-    would crash the first wait on it), and a larger int overflows where torch takes it."""
+    would crash the first wait on it), and a larger int overflows where torch takes it.
+    Every field with ``choices`` holds one of them."""
     for f in fields(config):
         value = getattr(config, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{_named(f.name)} must be a finite number, got {value}")
         if isinstance(value, int) and not -_INT64_MAX <= value <= _INT64_MAX:
             raise ValueError(f"{_named(f.name)} must fit in 64 bits, got {value}")
+        choices = f.metadata.get("choices")
+        if choices is not None and value not in choices:
+            raise ValueError(f"{_named(f.name)} must be one of {', '.join(choices)}, got {value!r}")
 
 
 def available_cores() -> int:
@@ -471,44 +550,86 @@ def _encoder_urls(urls: tuple[str, ...]) -> tuple[str, ...]:
         raise ValueError(exc.message) from None
 
 
+def _dns_url(raw: str) -> str:
+    """``discovery_dns``: an http:// or grpc:// URL with a host name and a port, no path (each
+    address it resolves to becomes ``scheme://address:port``; https would fail its certificate
+    check on a bare address)."""
+    from epd_trio.errors import RequestError
+    from epd_trio.protocol.urls import normalize_url
+
+    try:
+        url = normalize_url(raw, "discovery_dns", schemes=("http", "grpc"))
+    except RequestError as exc:
+        raise ValueError(exc.message) from None
+    host_and_port = url.split("://", 1)[1]
+    if "/" in host_and_port:
+        raise ValueError(f"discovery_dns must have no path, got {raw!r}")
+    return url
+
+
 @dataclass(frozen=True)
 class ClientConfig:
     """The encoder client: which encoders, where embeddings arrive, deadlines, pool size."""
 
     encoder_urls: tuple[str, ...] = _opt((), "encoder base URLs (http://host:port, or grpc://host:port "
-                                         "for the native gRPC service), comma-separated")
-    zmq_bind: str = _opt("tcp://127.0.0.1:0", "where the client's ZMQ PULL socket binds (port 0 picks a free one)")
+                                         "for the native gRPC service)", group="client")
+    zmq_bind: str | None = _opt(
+        None, "where the client's ZMQ PULL socket binds (port 0 picks a free one; a wildcard host, "
+        "0.0.0.0 or [::], tells each encoder this host's address on the route to it); default: "
+        "bound on first need to this host's address on the route to each encoder, a free port each",
+        group="delivery")
     zmq_advertise: str | None = _opt(
-        None, "the endpoint encoders push to (default: the bound one; port 0 here means the bound port)")
-    timeout: float = _opt(60.0, "seconds one encode may take end to end, pool wait included (→ EncodeTimeout)")
-    connect_timeout: float = _opt(5.0, "seconds to connect to an encoder before trying another one")
-    abort_timeout: float = _opt(2.0, "seconds the best-effort /abort of a failed request's other parts may take")
+        None, "the endpoint every encoder pushes to (port 0 here means the bound port), for NAT; "
+        "needs zmq_bind; default: the bound one", group="delivery")
+    timeout: float = _opt(60.0, "seconds one encode may take end to end, pool wait included "
+                          "(→ EncodeTimeout)", group="client")
+    connect_timeout: float = _opt(5.0, "seconds to connect to an encoder before trying another one",
+                                  group="client")
+    abort_timeout: float = _opt(2.0, "seconds the best-effort /abort of a failed request's other parts "
+                                "may take", group="client")
     abort_hold: float = _opt(180.0, "seconds a failed Mooncake request's pool slot stays held when an "
-                             "encoder did not confirm its /abort (a late write may still land there)")
-    pool_bytes: int = _opt(1 << 30, "bytes of the host embedding pool (one buffer, allocated at start)")
+                             "encoder did not confirm its /abort (a late write may still land there)",
+                             group="client")
+    pool_bytes: int = _opt(GiB, "size of the host embedding pool (one buffer, allocated at start)",
+                           group="delivery", size=True)
     bootstrap_url: str | None = _opt(None, "a bootstrap registry to discover encoders from "
-                                     "(merged with encoder_urls)")
-    refresh_interval: float = _opt(5.0, "seconds between refreshes of the registry's encoder list "
-                                   "(in the background, never on a request's path)")
-    registry_timeout: float = _opt(2.0, "seconds one registry query may take")
+                                     "(merged with encoder_urls)", group="registry")
+    discovery_dns: str | None = _opt(
+        None, "an encoder URL whose host name stands for every encoder: each of its A/AAAA "
+        "records is one (http://encoders.ns.svc:8000 for a Kubernetes headless Service, or "
+        "grpc://...); resolved every refresh_interval and merged with the other sources",
+        group="registry")
+    refresh_interval: float = _opt(5.0, "seconds between refreshes of the registry's and the DNS "
+                                   "name's encoder lists (in the background, never on a request's "
+                                   "path)", group="registry")
+    registry_timeout: float = _opt(2.0, "seconds one registry query (or resolution of "
+                                   "discovery_dns) may take", group="registry")
     transfer_backend: str = _opt("zmq", "how embeddings arrive: zmq (pushed to the client's PULL "
                                  "socket), mooncake (written straight into the registered pool; "
                                  "needs the mooncake extra) or inline (in the HTTP answers: no "
-                                 "sockets of its own; simple set-ups and in-process tests)")
-    mooncake_host: str = _opt("127.0.0.1", "address encoders' Mooncake engines reach this client at")
-    mooncake_protocol: str = _opt("tcp", "Mooncake transport: tcp, or rdma where RDMA NICs exist")
-    mooncake_device: str = _opt("", "Mooncake RDMA device names (e.g. mlx5_0), empty for tcp")
+                                 "sockets of its own; simple set-ups and in-process tests)",
+                                 group="delivery", choices=CLIENT_BACKENDS)
+    mooncake_host: str | None = _opt(
+        None, "address encoders' Mooncake engines reach this client at; default: this host's "
+        "address on the route to the first peer it knows on another host (encoder_urls, "
+        "bootstrap_url, discovery_dns), loopback when there is none", group="delivery")
+    mooncake_protocol: str = _opt("tcp", "Mooncake transport: rdma where RDMA NICs exist",
+                                  group="delivery", choices=MOONCAKE_PROTOCOLS)
+    mooncake_device: str = _opt("", "Mooncake RDMA device names (e.g. mlx5_0); empty for tcp",
+                                group="delivery")
 
     def __post_init__(self) -> None:
-        _check_numbers(self)
+        _check_fields(self)
         _require(self, lambda v: v > 0, "> 0", "timeout", "connect_timeout", "abort_timeout",
                  "abort_hold", "refresh_interval", "registry_timeout")
-        if self.transfer_backend not in ("zmq", "mooncake", "inline"):
-            raise ValueError(f"transfer_backend must be zmq, mooncake or inline, "
-                             f"got {self.transfer_backend!r}")
         _require(self, lambda v: v >= 1, "at least 1", "pool_bytes")
         # Normalized as a registry's list is, so the two merge: one encoder, one string.
         object.__setattr__(self, "encoder_urls", _encoder_urls(self.encoder_urls))
+        if self.zmq_advertise and not self.zmq_bind:
+            raise ValueError("zmq_advertise needs zmq_bind: the address and port the PULL socket "
+                             "listens on (encoders are told zmq_advertise)")
+        if self.discovery_dns is not None:
+            object.__setattr__(self, "discovery_dns", _dns_url(self.discovery_dns))
 
 
 def _http_urls(urls: tuple[str, ...], what: str) -> tuple[str, ...]:
@@ -530,44 +651,50 @@ def _http_urls(urls: tuple[str, ...], what: str) -> tuple[str, ...]:
 class ProxyConfig:
     """The EPD proxy: a request's media to encoder instances, then the request to a vLLM server."""
 
-    host: str = _opt("127.0.0.1", "address to listen on")
-    port: int = _opt(8000, "port to listen on (0 picks a free one)")
+    host: str = _opt("127.0.0.1", "address to listen on", group="serving")
+    port: int = _opt(8000, "port to listen on (0 picks a free one)", group="serving")
     encoder_urls: tuple[str, ...] = _opt((), "encoder instances (http://host:port): epd-trio "
                                          "encoders started with --api vllm, or vLLM's own "
-                                         "(ec_role ec_producer), comma-separated")
+                                         "(ec_role ec_producer); several comma-separated too",
+                                         group="client")
     bootstrap_url: str | None = _opt(None, "a bootstrap registry to discover encoders from "
-                                     "(merged with --encoder-urls; register only --api vllm ones)")
+                                     "(merged with --encoder-urls; register only --api vllm ones "
+                                     "there)", group="registry")
     prefill_decode_urls: tuple[str, ...] = _opt((), "the language servers requests are forwarded "
-                                                "to (vLLM, ec_role ec_consumer), comma-separated; "
-                                                "at least one")
+                                                "to (vLLM, ec_role ec_consumer); several "
+                                                "comma-separated too; at least one", group="proxy")
     encode_timeout: float = _opt(60.0, "seconds the encoders get to store a request's media, "
-                                 "failovers included (→ 504)")
+                                 "failovers included (→ 504)", group="client")
     upstream_timeout: float = _opt(600.0, "seconds a forwarded request may take, from the "
-                                   "fan-out's end to its answer's last byte, streams included "
-                                   "(→ 504 before the answer starts; after, the stream ends)")
+                                   "encoders' end to its answer's last byte, streams included "
+                                   "(→ 504 before the answer starts; after, the stream ends)",
+                                   group="proxy")
     connect_timeout: float = _opt(5.0, "seconds to connect to an encoder or a language server "
-                                  "before trying another one")
+                                  "before trying another one", group="client")
     health_interval: float = _opt(5.0, "seconds between health probes (GET /health) of each "
-                                  "language server")
-    health_timeout: float = _opt(2.0, "seconds one health probe may take before it counts as missed")
+                                  "language server", group="proxy")
+    health_timeout: float = _opt(2.0, "seconds one health probe may take before it counts as missed",
+                                 group="proxy")
     max_failures: int = _opt(2, "consecutive missed probes that take a language server out of "
-                             "rotation (one answered probe brings it back)")
-    refresh_interval: float = _opt(5.0, "seconds between refreshes of the registry's encoder list")
-    max_body_bytes: int = _opt(128 * 1024 * 1024, "largest request body in bytes (→ 413)")
-    body_timeout: float = _opt(60.0, "seconds a request body may take to arrive (→ 408)")
-    max_requests: int = _opt(1024, "most requests in flight at once; over it → 503 at once")
-    http_server: str = _opt("builtin", _HTTP_SERVER_HELP)
-    log_level: str = _opt("INFO", "logging level")
+                             "rotation (one answered probe brings it back)", group="proxy")
+    refresh_interval: float = _opt(5.0, "seconds between refreshes of the registry's encoder list",
+                                   group="registry")
+    max_body_bytes: int = _opt(128 * MiB, "largest request body (→ 413)", group="serving", size=True)
+    body_timeout: float = _opt(60.0, "seconds a request body may take to arrive (→ 408)",
+                               group="serving")
+    max_requests: int = _opt(1024, "most requests in flight at once; over it → 503 at once",
+                             group="serving")
+    http_server: str = _opt("builtin", _HTTP_SERVER_HELP, group="serving", choices=HTTP_SERVERS)
+    log_level: str = _opt("INFO", "logging level (any case)", group="operations", metavar=_LOG_METAVAR)
 
     def __post_init__(self) -> None:
-        _check_numbers(self)
+        _check_fields(self)
         _check_listen(self.host, self.port)
         _require(self, lambda v: v > 0, "> 0", "encode_timeout", "upstream_timeout",
                  "connect_timeout", "health_interval", "health_timeout", "refresh_interval",
                  "body_timeout")
         _require(self, lambda v: v >= 1, "at least 1", "max_failures", "max_body_bytes",
                  "max_requests")
-        _check_http_server(self.http_server)
         check_log_level(self.log_level)
         object.__setattr__(self, "encoder_urls", _http_urls(self.encoder_urls, "encoder_urls"))
         urls = _http_urls(self.prefill_decode_urls, "prefill_decode_urls")
@@ -584,100 +711,4 @@ class ProxyConfig:
         return ClientConfig(encoder_urls=self.encoder_urls, bootstrap_url=self.bootstrap_url,
                             refresh_interval=self.refresh_interval, timeout=self.encode_timeout,
                             connect_timeout=self.connect_timeout, transfer_backend="inline",
-                            pool_bytes=1 << 20)
-
-
-def flag_name(field_name: str) -> str:
-    return "--" + field_name.replace("_", "-")
-
-
-def env_name(field_name: str) -> str:
-    return "EPD_" + field_name.upper()
-
-
-def _base_type(annotation: Any) -> type:
-    """``int | None`` → int; the parser for a field's values."""
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return _base_type(args[0])
-    return typing.get_origin(annotation) or annotation
-
-
-def _parse(raw: str, kind: type, name: str) -> Any:
-    if kind is bool:
-        lowered = raw.strip().lower()
-        if lowered in ("1", "true", "yes", "on"):
-            return True
-        if lowered in ("0", "false", "no", "off", ""):
-            return False
-        raise ValueError(f"{name}: expected a boolean, got {raw!r}")
-    if kind is tuple:
-        return tuple(part.strip() for part in raw.split(",") if part.strip())
-    try:
-        return kind(raw)
-    except ValueError:
-        raise ValueError(f"{name}: expected {kind.__name__}, got {raw!r}") from None
-
-
-def _parse_flag(raw: str, kind: type) -> Any:
-    """A flag's value; argparse names the flag in front of the message."""
-    try:
-        return kind(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {raw!r}") from None
-
-
-def add_config_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = ()) -> None:
-    """Add one flag per field of ``cls``; defaults stay None so env vars can fill in."""
-    hints = typing.get_type_hints(cls)
-    group = parser.add_argument_group(cls.__name__)
-    for f in fields(cls):
-        if f.name in skip:
-            continue
-        if f.metadata.get("nested"):
-            add_config_arguments(parser, hints[f.name], skip=skip)
-            continue
-        kind = _base_type(hints[f.name])
-        alias = f.metadata.get("sglang_env")
-        env = env_name(f.name) + (f", or {alias} with --api sglang" if alias else "")
-        help_text = f"{f.metadata.get('help', '')} [env {env}; default {f.default!r}]"
-        if kind is bool:
-            group.add_argument(flag_name(f.name), dest=f.name, default=None,
-                               action=argparse.BooleanOptionalAction, help=help_text)
-        elif kind is tuple:
-            group.add_argument(flag_name(f.name), dest=f.name, default=None, action="append",
-                               help=help_text + " (repeatable)")
-        else:
-            group.add_argument(flag_name(f.name), dest=f.name, default=None,
-                               type=functools.partial(_parse_flag, kind=kind), help=help_text)
-
-
-def config_from_env(cls: type[C], environ: Mapping[str, str] | None = None, **overrides: Any) -> C:
-    """``cls`` from ``EPD_*`` variables, then ``overrides`` (which win)."""
-    environ = os.environ if environ is None else environ
-    hints = typing.get_type_hints(cls)
-    values: dict[str, Any] = {}
-    sglang = (overrides.get("api") or environ.get(env_name("api"))) == "sglang"
-    for f in fields(cls):  # type: ignore[arg-type]
-        if f.metadata.get("nested"):
-            values[f.name] = config_from_env(hints[f.name], environ, **overrides)
-            continue
-        name = env_name(f.name)
-        alias = f.metadata.get("sglang_env")
-        if name not in environ and sglang and alias is not None and alias in environ:
-            name = alias  # SGLang's own variable, below ours (os.environ refuses a None key)
-        raw = environ.get(name)
-        if raw is not None:
-            values[f.name] = _parse(raw, _base_type(hints[f.name]), name)
-    own = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-    values.update({k: v for k, v in overrides.items() if v is not None and k in own})
-    return cls(**values)
-
-
-def config_from_args(cls: type[C], args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> C:
-    """``cls`` from parsed flags, falling back to ``EPD_*`` variables, then defaults."""
-    explicit = {}
-    for name, value in vars(args).items():
-        if value is not None:
-            explicit[name] = tuple(value) if isinstance(value, list) else value
-    return config_from_env(cls, environ, **explicit)
+                            pool_bytes=MiB)

@@ -14,6 +14,7 @@
     │   └── HeadersTooLargeError (431)
     ├── OverloadedError (503)          admission refused: queue full
     │   └── NotReadyError (503)        starting, draining, or the worker is gone
+    │       └── DrainingError (503)    refused at admission while draining: not taken at all
     ├── DeadlineExceeded (504)         a request's own deadline passed
     │   └── EncodeTimeout (504)        the receiver gave up waiting for a part
     ├── TransportError (502)           delivering bytes between processes failed
@@ -41,6 +42,7 @@ __all__ = [
     "BodyTimeoutError",
     "ConflictError",
     "DeadlineExceeded",
+    "DrainingError",
     "DuplicateRequestError",
     "EPDError",
     "EncodeError",
@@ -130,6 +132,13 @@ class OverloadedError(EPDError):
 
 
 class NotReadyError(OverloadedError):
+    status_code = 503
+
+
+class DrainingError(NotReadyError):
+    """A request refused at admission because the encoder drains for shutdown: it was never
+    taken, so a client may send it to another encoder as it is."""
+
     status_code = 503
 
 

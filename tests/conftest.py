@@ -227,7 +227,7 @@ async def listening_url(proc: subprocess.Popen[str]) -> str:
 def deepstack_levels(out: Any) -> list[Any]:
     """The deepstack levels of one item from ``get_image_features`` / ``get_video_features``
     (none for a model without them). transformers 5.24 gives each level per item; 5.17, the
-    lent GPU machines' version, gives one ``[tokens, dim]`` tensor per level."""
+    GPU image's version, gives one ``[tokens, dim]`` tensor per level."""
     import torch
 
     return [level if isinstance(level, torch.Tensor) and level.dim() == 2 else level[0]

@@ -3,21 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import re
+import runpy
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from epd_trio._options import GROUPS, config_fields, default_text, parse_size
 from epd_trio.config import (
+    APIS,
     BootstrapConfig,
     ClientConfig,
     EncoderConfig,
     EngineConfig,
+    ProxyConfig,
+    _opt,
     add_config_arguments,
     available_cores,
     config_from_args,
     config_from_env,
+    env_name,
 )
 
 
@@ -87,24 +95,74 @@ def test_bad_values_say_which(env: dict[str, str], message: str) -> None:
         config_from_env(EngineConfig, env)
 
 
-def test_every_field_has_help() -> None:
-    import dataclasses
+COMPONENTS = (EncoderConfig, BootstrapConfig, ProxyConfig, ClientConfig)  # EncoderConfig holds EngineConfig
+# What a component cannot start without (the proxy: where to send requests, whom to ask).
+REQUIRED: dict[type, dict[str, str]] = {
+    ProxyConfig: {"EPD_ENCODER_URLS": "http://e:1", "EPD_PREFILL_DECODE_URLS": "http://l:2"}}
 
-    assert all(f.metadata.get("help") for f in dataclasses.fields(EngineConfig))
+
+@pytest.mark.parametrize("cls", COMPONENTS)
+def test_every_field_has_help_and_a_group(cls: type) -> None:
+    # A field added without a group lands in "other" in --help; this says where to fix it.
+    for f, _ in config_fields(cls):
+        assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help: give its _opt(...) one"
+        assert f.metadata.get("group") in GROUPS, (
+            f"{cls.__name__}.{f.name} has no option group: give its _opt(...) group=... "
+            f"(one of {', '.join(GROUPS)}); it decides where --help and docs/configuration.md show it")
 
 
-def test_readme_config_table_is_current(capsys: pytest.CaptureFixture[str]) -> None:
-    import runpy
-    from pathlib import Path
+def test_a_field_without_a_group_still_gets_its_flag_under_other() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Late:
+        grouped: int = _opt(1, "has a group", group="serving")
+        orphan: int = _opt(2, "has none")
 
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, Late)
+    titles = {g.title: [a.dest for a in g._group_actions] for g in parser._action_groups}
+    assert titles["serving"] == ["grouped"] and titles["other"] == ["orphan"]
+    assert config_from_args(Late, parser.parse_args(["--orphan", "5"]), {}).orphan == 5
+    with pytest.raises(ValueError, match="unknown option group 'servng': one of serving, model"):
+        _opt(1, "a typo", group="servng")
+
+
+def test_help_texts_speak_of_the_project_only() -> None:
+    for cls in COMPONENTS:
+        for f, _ in config_fields(cls):
+            text = f.metadata["help"]
+            assert not re.search(r"as before|README|issue ?#?\d|previously", text, re.IGNORECASE), (f.name, text)
+
+
+def test_configuration_page_is_current() -> None:
     root = Path(__file__).resolve().parents[1]
-    # The script's own main(), in this process: a subprocess would only add its imports (~5 s).
+    # The tool's own render(), in this process: a subprocess would only add its imports (~5 s).
     tool = runpy.run_path(str(root / "tools" / "config_table.py"), run_name="config_table")
-    capsys.readouterr()
-    assert tool["main"]() == 0
-    table = capsys.readouterr().out.strip()
-    assert table.startswith("**EncoderConfig**")
-    assert table in (root / "README.md").read_text(), "run tools/config_table.py and update README"
+    page = tool["render"]()
+    assert (root / "docs" / "configuration.md").read_text() == page, (
+        "docs/configuration.md is stale: run python tools/config_table.py")
+    assert tool["main"](["--check"]) == 0
+    for cls in COMPONENTS:
+        for f, _ in config_fields(cls):
+            assert f"`{env_name(f.name)}`" in page, f.name
+    for title in GROUPS:
+        assert f"### {title}\n" in page
+    assert "| `--max-body-bytes SIZE` | `EPD_MAX_BODY_BYTES` | `128MiB` |" in page
+    assert f"| `--api {{{','.join(APIS)}}}` | `EPD_API` | `native` |" in page
+    assert "| `pool_bytes` | `EPD_POOL_BYTES` | `1GiB` |" in page
+    assert not re.search(r"`(None|\(\)|''|134217728|180\.0)`", page)
+
+
+def test_the_configuration_tool_finds_a_stale_page(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    root = Path(__file__).resolve().parents[1]
+    tool = runpy.run_path(str(root / "tools" / "config_table.py"), run_name="config_table")
+    stale = tmp_path / "configuration.md"
+    stale.write_text(tool["render"]().replace("`128MiB`", "`134217728`"))
+    tool["main"].__globals__["PAGE"] = stale  # the tool's own module namespace, not ours
+    assert tool["main"](["--check"]) == 1
+    assert "stale" in capsys.readouterr().err
+    assert tool["main"]([]) == 0 and stale.read_text() == tool["render"]()
+    assert tool["main"](["--check"]) == 0
 
 
 @pytest.mark.parametrize(("env", "message"), [
@@ -146,8 +204,9 @@ def test_sglang_face_flags_and_sglangs_own_timeout_variables() -> None:
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (["--api", "grpc"], "api must be one of native, sglang"),
-    (["--encoder-transfer-backend", "nixl"], "encoder_transfer_backend must be one of"),
+    (["--api", "grpc"], rf"api \(--api\) must be one of {', '.join(APIS)}, got 'grpc'"),
+    (["--encoder-transfer-backend", "nixl"],
+     r"encoder_transfer_backend \(--encoder-transfer-backend\) must be one of"),
     (["--zmq-sndhwm", "0"], r"zmq_sndhwm \(--zmq-sndhwm\) must be at least 1"),
 ])
 def test_bad_sglang_settings_say_which(flags: list[str], message: str) -> None:
@@ -166,3 +225,83 @@ def test_http_server_is_one_of_the_two() -> None:
     for cls in (EncoderConfig, BootstrapConfig):
         with pytest.raises(ValueError, match=r"http_server \(--http-server\) must be one of builtin, hypercorn"):
             cls(http_server="nginx")
+
+
+# The settings that take one of a few values: each field's ``choices`` are what --help shows
+# and what the dataclass checks; the values themselves live only in epd_trio/config.py.
+ENUMS = [(EncoderConfig, "api"), (EncoderConfig, "http_server"), (EncoderConfig, "transfer_backend"),
+         (EncoderConfig, "encoder_transfer_backend"), (EncoderConfig, "mooncake_protocol"),
+         (EngineConfig, "dtype"), (EngineConfig, "preprocess_mode"), (BootstrapConfig, "http_server"),
+         (ClientConfig, "transfer_backend"), (ClientConfig, "mooncake_protocol")]
+
+
+@pytest.mark.parametrize(("cls", "name"), ENUMS)
+def test_choices_are_one_list_shown_and_checked(cls: type, name: str) -> None:
+    field = {f.name: f for f in dataclasses.fields(cls)}[name]
+    choices = field.metadata["choices"]
+    assert len(choices) >= 2 and field.default in choices
+    for value in choices:
+        try:
+            assert getattr(cls(**{name: value}), name) == value
+        except ValueError as exc:  # a value may need company (--api vllm: --ec-transfer-config)
+            assert "must be one of" not in str(exc), exc
+    with pytest.raises(ValueError, match=rf"{name} \(--{name.replace('_', '-')}\) must be one of "
+                                         rf"{', '.join(choices)}, got 'bogus'"):
+        cls(**{name: "bogus"})
+    with pytest.raises(ValueError, match="must be one of"):
+        config_from_env(cls, {env_name(name): "bogus"})
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, cls)
+    assert "{" + ",".join(choices) + "}" in parser.format_help().replace("\n", "").replace(" ", "")
+
+
+def test_the_loader_takes_the_dtypes_the_config_offers() -> None:
+    from epd_trio import config
+    from epd_trio.model import loader
+
+    assert loader.DTYPES is config.DTYPES
+
+
+@pytest.mark.parametrize(("raw", "size"), [
+    ("134217728", 128 << 20), ("0", 0), ("128MiB", 128 << 20), ("128mib", 128 << 20), ("128M", 128 << 20),
+    ("64MB", 64 << 20), ("16 KiB", 16 << 10), ("16K", 16 << 10), ("1.5GiB", 3 << 29), ("2Ti", 2 << 40),
+    ("512B", 512)])
+def test_a_size_is_bytes_or_a_number_with_a_unit(raw: str, size: int) -> None:
+    assert parse_size(raw) == size
+
+
+@pytest.mark.parametrize("raw", ["1e9", "1.5", "-1", "12XB", "0.3KiB", "", "MiB", "1 2"])
+def test_a_bad_size_says_what_a_size_is(raw: str) -> None:
+    with pytest.raises(ValueError, match=rf"expected int, got {re.escape(repr(raw))}: a size is whole bytes"):
+        parse_size(raw)
+
+
+def test_size_settings_take_units_from_flags_and_variables() -> None:
+    cfg = encoder_config(["--max-body-bytes", "256MiB"],
+                         {"EPD_MAX_ITEM_BYTES": "32MiB", "EPD_MAX_HEADER_BYTES": "8192"})
+    sizes = (cfg.max_body_bytes, cfg.engine.max_item_bytes, cfg.max_header_bytes)
+    assert sizes == (256 << 20, 32 << 20, 8192)
+    assert config_from_env(ClientConfig, {"EPD_POOL_BYTES": "2GiB"}).pool_bytes == 2 << 30
+    with pytest.raises(ValueError, match="EPD_MAX_ITEM_BYTES: expected int, got '32 MB please'"):
+        config_from_env(EngineConfig, {"EPD_MAX_ITEM_BYTES": "32 MB please"})
+
+
+def test_defaults_read_as_a_user_types_them() -> None:
+    shown = {f.name: default_text(f) for cls in (ClientConfig, EncoderConfig) for f, _ in config_fields(cls)}
+    assert {name: shown[name] for name in ("port", "request_timeout", "coalesce_delay", "max_body_bytes",
+                                           "max_header_bytes", "pool_bytes", "compile",
+                                           "cpu_keep_freed_memory", "grpc_port", "register_url",
+                                           "mooncake_device", "video_fps", "host")} == {
+        "port": "8000", "request_timeout": "180", "coalesce_delay": "0", "max_body_bytes": "128MiB",
+        "max_header_bytes": "16KiB", "pool_bytes": "1GiB", "compile": "off", "cpu_keep_freed_memory": "on",
+        "grpc_port": "", "register_url": "", "mooncake_device": "", "video_fps": "2", "host": "127.0.0.1"}
+
+
+@pytest.mark.parametrize("cls", COMPONENTS)
+def test_every_default_as_shown_reads_back_as_the_default(cls: type) -> None:
+    # "As a user types them": each shown default, given as its variable, is the default again.
+    for f, _ in config_fields(cls):
+        if text := default_text(f):
+            config = config_from_env(cls, {**REQUIRED.get(cls, {}), env_name(f.name): text})
+            owner = config if f.name in {g.name for g in dataclasses.fields(cls)} else config.engine
+            assert getattr(owner, f.name) == f.default, (f.name, text)

@@ -1,7 +1,7 @@
 """``tools/gpu_check.sh`` asks of each tool what the tool still accepts.
 
-A lent GPU comes for 15 minutes a session, and the script runs untested here (no CUDA):
-a benchmark flag renamed since it was written would cost that whole lease. So every
+A GPU run is short and rare, and the script runs untested here (no CUDA): a benchmark
+flag renamed since it was written would waste the whole run. So every
 ``step`` line is read out of the script and its arguments are handed to the tool's own
 argument parser, and each pytest step must still select tests.
 """
@@ -21,7 +21,7 @@ from test_gpu_wheels import GPU_CHECK_RUNS
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "gpu_check.sh"
-# The script's own variables, as they would expand on the lent machine.
+# The script's own variables, as they would expand on the GPU machine.
 VARIABLES = {"$PY": sys.executable, "$CKPT": "/tmp/ckpt", "$LOGS": "/tmp/logs", "$ROOT": str(ROOT)}
 
 

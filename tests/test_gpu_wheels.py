@@ -1,4 +1,4 @@
-"""``tools/gpu_wheels.py``: the wheels a lent GPU machine lacks, so that gpu_check.sh can import us.
+"""``tools/gpu_wheels.py``: the wheels an offline GPU machine lacks, so that gpu_check.sh can import us.
 
 The old hand-written list had fallen behind pyproject (msgspec and the gRPC packages were
 missing): here the list is computed, and checked against every import epd_trio makes.

@@ -85,6 +85,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import bench_results  # noqa: E402  (tools/: the results file the docs are built from)
+
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -524,9 +527,11 @@ def report(rows: list[Row], alone: dict[tuple[str, int], dict[str, float]]) -> N
                       f"{r.scaling:.2f}", f"{r.cores:.2f}", f"{r.load_cores:.2f}",
                       *(f"{r.ms[c]:.2f}" for c in COLUMNS),
                       *(f"{a.get(k, float('nan')):.2f}" for k in ("decode", "proc", "body")), r.failures])
+    note = ("CPU ms per image, server side, medians; cores / load: CPU seconds per second of the "
+            f"server / the load generator, of {os.cpu_count()} here; * stand-alone in the benchmark process")
     print_table(header, table)
-    print("(CPU ms per image, server side, medians; cores / load: CPU seconds per second of the "
-          f"server / the load generator, of {os.cpu_count()} here; * stand-alone in the benchmark process)")
+    print(f"({note})")
+    bench_results.record("images/s and server CPU per image", header, table, note)
 
 
 def plot(rows: list[Row], path: Path) -> None:
@@ -580,6 +585,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preprocess-mode", choices=["thread", "process"], default=None,
                    help="the encoder's --preprocess-mode (default: the encoder's own, thread)")
     p.add_argument("--plot", type=Path, help="PNG of images/s and CPU per image (needs matplotlib)")
+    bench_results.add_argument(p)
     args = p.parse_args(argv)
     quick = args.quick
     args.sizes = args.sizes or ([64, 224, 448] if quick else [64, 224, 448, 1024])
@@ -605,6 +611,11 @@ def targets(trees: Sequence[Path], servers: Sequence[str]) -> list[tuple[str, Pa
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    with bench_results.recording("bench_capacity", args.results, argv):
+        measure_and_report(args)
+
+
+def measure_and_report(args: argparse.Namespace) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     print(f"# bench_capacity: {'null forward' if args.null_forward else 'model forward'}, "

@@ -19,10 +19,20 @@ concurrency C, on the same seeded images:
   (``engine/best bare``, target >= 0.95): on a CPU a batch of 8 can be
   slower per image than a batch of 1, and batching is the engine's choice.
 
-On a CPU device both sides run with malloc keeping freed memory
-(``epd_trio.engine.heap``, as ``epd-trio encoder`` applies it; it is
-process-wide, so never one side alone); ``--malloc-default`` leaves glibc's
-default, under which large batches fault their activations' pages in afresh.
+The engine runs as an embedder gets it: default settings (the adaptive batch
+cap on) but for the flags given, opened once per repetition, a one-image
+warm-up, then two timed passes over the images: the first (``1st pass``)
+includes what the cap learns, the second (``engine``, the one compared with
+the bare loop on its batch sizes) runs with what it learned. ``cap tok`` is the
+learned cap (most tokens per forward) after it. Beside them, an engine with
+``adaptive_batch=False`` (``fixed``: batches fill to ``max_batch_size``, as
+before the cap existed); ``--skip-fixed`` leaves it out.
+
+The process is in an embedder's state too: glibc's malloc as it is by default.
+``--malloc-tuned`` makes it keep freed memory (``epd_trio.engine.heap``, as
+``epd-trio encoder`` applies it on a CPU device; process-wide, so both sides
+run under it), which spares large batches faulting their activations' pages
+in afresh.
 
 The engine's outputs are checked against the bare loop's (``max rel diff``).
 Per-run lines show the engine's batch pattern, how long its worker was busy in
@@ -31,10 +41,12 @@ that share, not the code, is often what moves the numbers.
 
 Usage::
 
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_engine.py --quick          # ~1 min, 2 cores
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_engine.py                  # ~6-10 min, 2 cores
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_engine.py --quick          # ~2 min, 2 cores
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_engine.py                  # ~10-15 min, 2 cores
+    # an embedder's case: open_engine(model_path=..., device="cpu", max_batch_size=8), the
+    # mid-size (--quick) tower, 16 concurrent callers, 16 JPEG images of 448x448
     HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_engine.py --quick --concurrency 16 \
-        --torch-threads 1 --preprocess-workers 1 --coalesce-delay 0.05 --repeat 5
+        --max-batch-size 8 --images 16 --sizes 448
 
 Random weights: timings are real, embeddings mean nothing.
 """
@@ -56,7 +68,9 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+
+import bench_results  # noqa: E402  (tools/: the results file the docs are built from)
 
 
 @dataclass(frozen=True)
@@ -86,6 +100,7 @@ class EngineRun:
     batches: int
     batch_sizes: list[int]  # images per forward, in the order they ran
     outputs: list[Any] = field(repr=False)
+    cap_tokens: int | None = None  # the adaptive cap after this pass (None: adaptation off)
 
     @property
     def avg_batch(self) -> float:
@@ -214,9 +229,9 @@ def record_batch_sizes(engine: Any) -> list[int]:
 
 
 async def run_engine(model_dir: Path, images: list[Any], concurrency: int, max_batch: int,
-                     args: argparse.Namespace) -> EngineRun:
-    import trio
-
+                     args: argparse.Namespace, *, adaptive: bool = True, passes: int = 1
+                     ) -> list[EngineRun]:
+    """One engine, opened as an embedder opens it, and ``passes`` timed passes over ``images``."""
     from epd_trio.engine import open_engine
 
     overrides: dict[str, Any] = {"preprocess_workers": args.preprocess_workers} \
@@ -225,29 +240,41 @@ async def run_engine(model_dir: Path, images: list[Any], concurrency: int, max_b
         overrides["cpu_threads"] = args.torch_threads
     if args.preprocess_threads:
         overrides["preprocess_threads"] = args.preprocess_threads
+    if args.coalesce_delay:
+        overrides["coalesce_delay"] = args.coalesce_delay
+    if not adaptive:
+        overrides["adaptive_batch"] = False
     async with open_engine(model_path=str(model_dir), device=args.device, dtype=args.dtype,
-                           max_batch_size=max_batch, coalesce_delay=args.coalesce_delay,
-                           **overrides) as engine:
+                           max_batch_size=max_batch, **overrides) as engine:
         sizes = record_batch_sizes(engine)
         await engine.encode([images[0]])  # warm-up
-        sizes.clear()
-        before, busy = engine.statistics(), engine.worker.statistics().busy_seconds
-        pending = iter(range(len(images)))  # shared by all callers: one trio thread
-        outputs: list[Any] = [None] * len(images)
+        return [await timed_pass(engine, images, concurrency, sizes) for _ in range(passes)]
 
-        async def caller() -> None:
-            for i in pending:
-                outputs[i] = (await engine.encode([images[i]])).embedding
 
-        started, cpu = time.perf_counter(), cpu_time()
-        async with trio.open_nursery() as nursery:
-            for _ in range(concurrency):
-                nursery.start_soon(caller)
-        seconds, cpu = time.perf_counter() - started, cpu_time() - cpu
-        after = engine.statistics()
-        busy = engine.worker.statistics().busy_seconds - busy
+async def timed_pass(engine: Any, images: list[Any], concurrency: int, sizes: list[int]) -> EngineRun:
+    """``concurrency`` callers encode the images, one per call, from a shared list."""
+    import trio
+
+    sizes.clear()
+    before, busy = engine.statistics(), engine.worker.statistics().busy_seconds
+    pending = iter(range(len(images)))  # shared by all callers: one trio thread
+    outputs: list[Any] = [None] * len(images)
+
+    async def caller() -> None:
+        for i in pending:
+            outputs[i] = (await engine.encode([images[i]])).embedding
+
+    started, cpu = time.perf_counter(), cpu_time()
+    async with trio.open_nursery() as nursery:
+        for _ in range(concurrency):
+            nursery.start_soon(caller)
+    seconds, cpu = time.perf_counter() - started, cpu_time() - cpu
+    after = engine.statistics()
+    busy = engine.worker.statistics().busy_seconds - busy
+    caps = after.batch_token_caps[0] if engine.config.adaptive_batch else None
     return EngineRun(seconds, cpu, busy, after.requests_done - before.requests_done,
-                     after.batches_run - before.batches_run, list(sizes), outputs)
+                     after.batches_run - before.batches_run, list(sizes), outputs,
+                     cap_tokens=None if caps is None else caps.get("image", 0))
 
 
 # ---- bare transformers ------------------------------------------------------
@@ -337,20 +364,36 @@ def max_rel_diff(a: list[Any], b: list[Any]) -> float:
 
 
 # ---- report -----------------------------------------------------------------
-COLUMNS = ("config", "C", "max_bs", "avg_bs", "engine img/s", "bare fwd img/s",
+COLUMNS = ("config", "C", "max_bs", "cap tok", "avg_bs", "engine img/s", "bare fwd img/s",
            "bare pre+fwd img/s", "engine/bare(pre+fwd)", "engine/bare(fwd)",
-           "bare bs1 img/s", "bare bsmax img/s", "engine/best bare")
+           "bare bs1 img/s", "bare bsmax img/s", "engine/best bare", "1st pass/best bare",
+           "fixed/best bare")
 
 
-def table_row(config: str, c: int, max_bs: int, e: EngineRun, b: BareRun, n: int,
-              fixed: dict[int, BareRun]) -> tuple:
-    """Today's columns, then the bare loop at batch 1 and at ``max_bs`` (pre+fwd, in turn):
-    the engine is held to the *best* of those, not only to the batch sizes it happened to run."""
+@dataclass(frozen=True)
+class Measured:
+    """One concurrency's kept runs (the fastest of each kind over the repetitions)."""
+
+    first: EngineRun  # the engine's first pass: learning the cap
+    engine: EngineRun  # its second pass, with what it learned
+    bare: BareRun  # the bare loop on the second pass's batch sizes
+    fixed_bare: dict[int, BareRun]  # the bare loop at batch 1 and at max_bs
+    fixed_engine: EngineRun | None  # the engine with adaptive_batch=False; None: skipped
+
+
+def table_row(config: str, c: int, max_bs: int, m: Measured, n: int) -> tuple:
+    """The engine against the bare loop on its own batch sizes, then against the *best* of the
+    bare loop at batch 1 and at ``max_bs`` (pre+fwd, in turn) — its first pass and the fixed
+    ceiling too — not only against the batch sizes it happened to run."""
+    e, b = m.engine, m.bare
     eng, fwd, both = n / e.seconds, n / b.forward_seconds, n / b.seconds
-    one, top = n / fixed[1].seconds, n / fixed[max_bs].seconds
-    return (config, c, max_bs, f"{e.avg_batch:.2f}", f"{eng:.2f}", f"{fwd:.2f}", f"{both:.2f}",
+    one, top = n / m.fixed_bare[1].seconds, n / m.fixed_bare[max_bs].seconds
+    best = max(one, top)
+    fixed = f"{n / m.fixed_engine.seconds / best:.3f}" if m.fixed_engine is not None else "-"
+    cap = "off" if e.cap_tokens is None else str(e.cap_tokens)
+    return (config, c, max_bs, cap, f"{e.avg_batch:.2f}", f"{eng:.2f}", f"{fwd:.2f}", f"{both:.2f}",
             f"{eng / both:.3f}", f"{eng / fwd:.3f}", f"{one:.2f}", f"{top:.2f}",
-            f"{eng / max(one, top):.3f}")
+            f"{eng / best:.3f}", f"{n / m.first.seconds / best:.3f}", fixed)
 
 
 def fixed_batches(n: int, size: int) -> list[int]:
@@ -381,6 +424,7 @@ def cpu_share(cpu_seconds: float, seconds: float) -> float:
 def describe(c: int, rep: int, e: EngineRun, b: BareRun) -> str:
     first = "bare first" if rep % 2 else "engine first"
     return (f"C={c} rep {rep} ({first}): engine {e.seconds:.2f}s, batches {_runs(e.batch_sizes)}, "
+            f"cap {e.cap_tokens} tokens, "
             f"forward busy {e.busy_seconds:.2f}s, cpu {cpu_share(e.cpu_seconds, e.seconds):.0%} | "
             f"bare {_runs(b.batch_sizes)} pre {b.preprocess_seconds:.2f}s fwd {b.forward_seconds:.2f}s, "
             f"cpu {cpu_share(b.cpu_seconds, b.seconds):.0%} | "
@@ -419,9 +463,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="torch device of the engine and the bare loop "
                    "(cpu, cuda, cuda:1)")
-    p.add_argument("--malloc-default", action="store_true",
-                   help="leave glibc's malloc as it is (default on a CPU device: it keeps freed "
-                   "memory, for the engine and the bare loop alike, as epd-trio encoder does)")
+    p.add_argument("--malloc-tuned", action="store_true",
+                   help="on a CPU device, have malloc keep freed memory, for the engine and the "
+                   "bare loop alike, as epd-trio encoder does (default: glibc's own, as in a "
+                   "program that embeds the engine)")
+    p.add_argument("--skip-fixed", action="store_true",
+                   help="leave out the engine with adaptive_batch=False (the fixed/best bare column)")
+    bench_results.add_argument(p)
     return p.parse_args(argv)
 
 
@@ -442,25 +490,34 @@ def prepare_checkpoint(args: argparse.Namespace, spec: VisionSpec, tmp: str) -> 
 
 
 def measure(c: int, model_dir: Path, bare: tuple[Any, Any], images: list[Any],
-            args: argparse.Namespace, repeat: int
-            ) -> tuple[EngineRun, BareRun, dict[int, BareRun]]:
-    """``repeat`` engine/bare pairs, and bare loops at batch 1 and max; the fastest of each kept.
+            args: argparse.Namespace, repeat: int) -> Measured:
+    """``repeat`` engine/bare pairs, bare loops at batch 1 and max, and the fixed-cap engine;
+    the fastest of each kept.
 
-    The bare loop batches as the engine did (batch size is an outcome of the
-    closed loop, not a knob). Pairs alternate their order against load drift:
-    an odd pair runs the bare loop first, on the previous pair's batch sizes.
+    The bare loop batches as the engine's learned pass did (batch size is an
+    outcome of the closed loop, not a knob). Pairs alternate their order
+    against load drift: an odd pair runs the bare loop first, on the previous
+    pair's batch sizes.
     """
+    import functools
+
     import trio
 
+    max_bs = args.max_batch_size or c
+    firsts: list[EngineRun] = []
+    fixed_engines: list[EngineRun] = []
+
     def engine() -> EngineRun:
-        return trio.run(run_engine, model_dir, images, c, args.max_batch_size or c, args)
+        first, learned = trio.run(functools.partial(run_engine, passes=2), model_dir, images, c,
+                                  max_bs, args)
+        firsts.append(first)
+        return learned
 
     def bare_run(sizes: list[int]) -> BareRun:
         if args.bare_in_main_thread:
             return run_bare(*bare, images, sizes, args.torch_threads)
         return in_worker_thread(run_bare, *bare, images, sizes, args.torch_threads)
 
-    max_bs = args.max_batch_size or c
     engines: list[EngineRun] = []
     bares: list[BareRun] = []
     fixed: dict[int, list[BareRun]] = {1: [], max_bs: []}
@@ -473,16 +530,32 @@ def measure(c: int, model_dir: Path, bare: tuple[Any, Any], images: list[Any],
             bares.append(bare_run(engines[-1].batch_sizes))
         for size in fixed:  # the fixed-batch bare loops, between the pairs
             fixed[size].append(bare_run(fixed_batches(len(images), size)))
-        print(describe(c, rep, engines[-1], bares[-1]) + " | bare fixed " + ", ".join(
-            f"bs{size} {runs[-1].seconds:.2f}s" for size, runs in fixed.items()), flush=True)
-    best = {size: min(runs, key=lambda r: r.seconds) for size, runs in fixed.items()}
-    return min(engines, key=lambda r: r.seconds), min(bares, key=lambda r: r.seconds), best
+        if not args.skip_fixed:
+            fixed_engines.extend(trio.run(functools.partial(run_engine, adaptive=False), model_dir,
+                                          images, c, max_bs, args))
+        print(describe(c, rep, engines[-1], bares[-1]) + f" | 1st pass {firsts[-1].seconds:.2f}s, "
+              f"batches {_runs(firsts[-1].batch_sizes)} | bare fixed " + ", ".join(
+                  f"bs{size} {runs[-1].seconds:.2f}s" for size, runs in fixed.items())
+              + (f" | engine fixed {fixed_engines[-1].seconds:.2f}s" if fixed_engines else ""),
+              flush=True)
+
+    def fastest(runs: list[Any]) -> Any:
+        return min(runs, key=lambda r: r.seconds)
+
+    return Measured(fastest(firsts), fastest(engines), fastest(bares),
+                    {size: fastest(runs) for size, runs in fixed.items()},
+                    fastest(fixed_engines) if fixed_engines else None)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    with bench_results.recording("bench_engine", args.results, argv):
+        measure_and_report(args)
+
+
+def measure_and_report(args: argparse.Namespace) -> None:
     import torch
 
-    args = parse_args(argv)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     spec = QUICK if args.quick else QWEN25_VL_7B
@@ -505,21 +578,25 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.device.split(":")[0] == "cpu":  # process-wide: both sides run under it
             from epd_trio.engine.heap import keep_freed_memory
 
-            kept = not args.malloc_default and keep_freed_memory()
-            print("malloc: " + ("keeps freed memory (epd_trio.engine.heap)" if kept else "glibc's default"))
+            kept = args.malloc_tuned and keep_freed_memory()
+            print("malloc: " + ("keeps freed memory (epd_trio.engine.heap)" if kept
+                                else "glibc's default, as in a program that embeds the engine"))
         warm_bare(*bare, images[0])
         in_worker_thread(warm_bare, *bare, images[0])
         rows, starved = [], False
         for c in args.concurrency:
-            e, b, fixed = measure(c, model_dir, bare, images, args, repeat)
-            rows.append(table_row(spec.name, c, args.max_batch_size or c, e, b, n, fixed))
-            starved = starved or min(cpu_share(e.cpu_seconds, e.seconds),
-                                     cpu_share(b.cpu_seconds, b.seconds)) < 0.8
+            m = measure(c, model_dir, bare, images, args, repeat)
+            rows.append(table_row(spec.name, c, args.max_batch_size or c, m, n))
+            starved = starved or min(cpu_share(m.engine.cpu_seconds, m.engine.seconds),
+                                     cpu_share(m.bare.cpu_seconds, m.bare.seconds)) < 0.8
     print()
     print_table(rows)
+    note = f"{n} {args.format} images, {args.dtype}, device {args.device}, best of {repeat}"
     if starved:
-        print("note: a kept run used under 80% of the cores: other load on the machine; "
-              "treat the ratios as noisy (raise --repeat)")
+        note += ("; a kept run used under 80% of the cores: other load on the machine; "
+                 "treat the ratios as noisy (raise --repeat)")
+        print("note: " + note.split("; ", 1)[1])
+    bench_results.record("engine against the bare transformers loop (img/s)", COLUMNS, rows, note)
 
 
 if __name__ == "__main__":

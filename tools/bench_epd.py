@@ -29,7 +29,8 @@ Usage::
 
     export EPD_VLLM_DIR=/path/to/vllm-venv      # default: .vllm (tools/vllm_env.sh)
     python tools/bench_epd.py --quick            # 1 and 4 images, 1 and 2 encoders, 3 requests
-    python tools/bench_epd.py --json ttft.json   # 1, 4, 8 images; 1, 2, 4 encoders; 20 requests
+    python tools/bench_epd.py                    # 1, 4, 8 images; 1, 2, 4 encoders; 20 requests
+    python tools/bench_all.py --only bench_epd   # the full run, into docs/benchmarks.md
 
 Benchmarks report; they do not assert.
 """
@@ -41,15 +42,13 @@ import base64
 import io
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
@@ -58,6 +57,7 @@ import trio
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tools"), str(ROOT / "tests" / "vllm"), str(ROOT)]
 
+import bench_results  # noqa: E402  (tools/: the results file the docs are built from)
 from bench_service import load, percentile, print_table  # noqa: E402  (tools/: shared report helpers)
 
 START_TIMEOUT = 600.0  # seconds an encoder or a proxy may take to start on a busy machine
@@ -141,27 +141,14 @@ def rows(cells: Sequence[Cell]) -> list[tuple[str, ...]]:
 HEADER = ("images", "setup", "n", "TTFT p50 ms", "TTFT p99 ms", "p50 / alone", "p99 / alone")
 
 
-def host() -> dict[str, Any]:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor()) \
-        if Path("/proc/cpuinfo").exists() else platform.processor()
-    return {"cpu": model, "cores": len(os.sched_getaffinity(0)), "load": load(),
-            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
-
-
-def report(cells: Sequence[Cell], args: argparse.Namespace, json_path: Path | None) -> None:
-    machine = host()
-    print(f"\nTTFT, streamed chat requests, {args.image_size} px images, {args.max_tokens} tokens, "
-          f"concurrency {args.concurrency} ({machine['cpu']}, {machine['cores']} cores, "
-          f"{machine['load']})")
+def report(cells: Sequence[Cell], args: argparse.Namespace) -> None:
+    title = (f"TTFT, streamed chat requests: {args.image_size} px images, {args.max_tokens} tokens, "
+             f"concurrency {args.concurrency}")
+    note = "ratios below 1: EPD's first token came sooner than vLLM alone's with the same images"
+    print(f"\n{title} ({load()})")
     print_table(HEADER, rows(cells))
-    print("ratios below 1: EPD's first token came sooner than vLLM alone's with the same images")
-    if json_path is not None:
-        settings = {k: v for k, v in vars(args).items() if k != "json"}
-        json_path.write_text(json.dumps({"host": machine, "settings": settings,
-                                         "cells": [asdict(c) for c in cells],
-                                         "header": HEADER, "rows": rows(cells)}, indent=1) + "\n")
-        print(f"results written to {json_path}")
+    print(note)
+    bench_results.record(title, HEADER, rows(cells), note)
 
 
 # ---- requests ---------------------------------------------------------------------
@@ -261,8 +248,8 @@ def run(args: argparse.Namespace) -> list[Cell]:
         storage.mkdir()
         print(f"model {model}; vLLM from {env.path}; logs in {tmp}", flush=True)
         vllm = stack.enter_context(vllm_consumer(env, model, storage, tmp / "vllm.log",
-                                                 extra_args=["--max-model-len", str(args.max_model_len),
-                                                             "--max-num-seqs", str(max(4, args.concurrency))]))
+                                                 args=("--max-model-len", str(args.max_model_len),
+                                                       "--max-num-seqs", str(max(4, args.concurrency)))))
         ec = json.dumps({"ec_connector": "ECExampleConnector", "ec_role": "ec_producer",
                          "ec_connector_extra_config": {"shared_storage_path": str(storage)}})
         encoders = [stack.enter_context(epd_trio([
@@ -301,7 +288,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--encoder-cpu-threads", type=int, default=0,
                    help="each encoder's --cpu-threads (0: its default)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, metavar="PATH", help="also write the results to PATH as JSON")
+    bench_results.add_argument(p)
     args = p.parse_args(argv)
     quick = {"images": [1, 4], "encoders": [1, 2], "requests": 3, "image_size": 224}
     full = {"images": [1, 4, 8], "encoders": [1, 2, 4], "requests": 20, "image_size": 448}
@@ -315,7 +302,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    report(run(args), args, args.json)
+    with bench_results.recording("bench_epd", args.results, argv):
+        report(run(args), args)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from epd_trio.encoder.grpc_bridge import DecodeGuard
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_results  # noqa: E402  (tools/: the results file the docs are built from)
+from epd_trio.encoder.grpc_bridge import DecodeGuard  # noqa: E402
 
 CHECK = "/grpc.health.v1.Health/Check"
 
@@ -146,27 +148,44 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=3000, help="calls per end-to-end turn")
     parser.add_argument("--repeat", type=int, default=5, help="turns per server kind")
     parser.add_argument("--serve", choices=("bare", "guarded"), help=argparse.SUPPRESS)  # the server
+    bench_results.add_argument(parser)
     args = parser.parse_args()
     if args.serve:
         serve(args.serve == "guarded")
         return 0
-    print("| in process (best of %d) | bare µs | guarded µs | added µs |" % args.repeat)
-    print("|---|---|---|---|")
-    for what, bare, wrapped in in_process(100_000, args.repeat):
-        print(f"| {what} | {bare:.2f} | {wrapped:.2f} | {wrapped - bare:+.2f} |")
+    with bench_results.recording("bench_grpc_guard", args.results):
+        measure_and_report(args.calls, args.repeat)
+    return 0
+
+
+def measure_and_report(calls: int, repeat: int) -> None:
+    header = [f"in process (best of {repeat})", "bare µs", "guarded µs", "added µs"]
+    rows = [[what, f"{bare:.2f}", f"{wrapped:.2f}", f"{wrapped - bare:+.2f}"]
+            for what, bare, wrapped in in_process(100_000, repeat)]
+    print_markdown(header, rows)
+    bench_results.record("in process: the guard's steps against the bare ones", header, rows)
     runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
-    for turn in range(args.repeat):
+    for turn in range(repeat):
         for guarded in ((False, True) if turn % 2 == 0 else (True, False)):
-            runs[guarded].append(end_to_end(guarded, args.calls))
-    print()
-    print(f"| Health/Check end to end ({args.repeat} turns × {args.calls} calls) | latency µs, median "
-          "(range) | server CPU µs per call, median (range) |")
-    print("|---|---|---|")
+            runs[guarded].append(end_to_end(guarded, calls))
+    header = [f"Health/Check end to end ({repeat} turns × {calls} calls)",
+              "latency µs, median (range)", "server CPU µs per call, median (range)"]
+    rows = []
     for guarded in (False, True):
         lat, cpu = ([r[i] for r in runs[guarded]] for i in (0, 1))
-        print(f"| {'with' if guarded else 'without'} DecodeGuard | {statistics.median(lat):.0f} "
-              f"({min(lat):.0f}–{max(lat):.0f}) | {statistics.median(cpu):.0f} ({min(cpu):.0f}–{max(cpu):.0f}) |")
-    return 0
+        rows.append([f"{'with' if guarded else 'without'} DecodeGuard",
+                     f"{statistics.median(lat):.0f} ({min(lat):.0f}–{max(lat):.0f})",
+                     f"{statistics.median(cpu):.0f} ({min(cpu):.0f}–{max(cpu):.0f})"])
+    print()
+    print_markdown(header, rows)
+    bench_results.record("end to end: a server process with and without the guard", header, rows)
+
+
+def print_markdown(header: list[str], rows: list[list[str]]) -> None:
+    print("| " + " | ".join(header) + " |")
+    print("|---" * len(header) + "|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
 
 
 if __name__ == "__main__":

@@ -23,11 +23,16 @@ import argparse
 import statistics
 import time
 
+import os
+import sys
+
 import torch
 import trio
 
-from epd_trio.delivery.inline import OFFLOAD_BYTES, InlineDelivery
-from epd_trio.protocol.requests import EncodeMeta
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_results  # noqa: E402  (tools/: the results file the docs are built from)
+from epd_trio.delivery.inline import OFFLOAD_BYTES, InlineDelivery  # noqa: E402
+from epd_trio.protocol.requests import EncodeMeta  # noqa: E402
 
 
 async def one_build(embedding: torch.Tensor, offload_bytes: int) -> tuple[float, float]:
@@ -64,17 +69,24 @@ async def main(mib: int, repeat: int) -> None:
     for _ in range(repeat):
         for mode, threshold in modes.items():  # taking turns: load drift hits both alike
             results[mode].append(await one_build(embedding, threshold))
-    print(f"inline answer of {mib} MiB (float32 [{embedding.shape[0]}, 1024]), {repeat} runs each")
+    title = f"inline answer of {mib} MiB (float32 [{embedding.shape[0]}, 1024]), {repeat} runs each"
+    print(title)
     print(f"{'build':<10}{'stall median ms':>17}{'stall max ms':>14}{'build median ms':>17}")
+    rows = []
     for mode, runs in results.items():
         stalls, builds = [s for s, _ in runs], [b for _, b in runs]
         print(f"{mode:<10}{statistics.median(stalls) * 1e3:>17.1f}{max(stalls) * 1e3:>14.1f}"
               f"{statistics.median(builds) * 1e3:>17.1f}")
+        rows.append([mode, f"{statistics.median(stalls) * 1e3:.1f}", f"{max(stalls) * 1e3:.1f}",
+                     f"{statistics.median(builds) * 1e3:.1f}"])
+    bench_results.record(title, ["build", "stall median ms", "stall max ms", "build median ms"], rows)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=7)
+    bench_results.add_argument(parser)
     args = parser.parse_args()
-    trio.run(main, args.mib, args.repeat)
+    with bench_results.recording("bench_loop_stall", args.results):
+        trio.run(main, args.mib, args.repeat)

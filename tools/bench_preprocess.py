@@ -42,8 +42,9 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
+import bench_results  # noqa: E402  (tools/: the results file the docs are built from)
 import numpy as np  # noqa: E402
 import trio  # noqa: E402
 from PIL import Image  # noqa: E402
@@ -202,24 +203,36 @@ def report(results: dict, modes: list[str], workers: list[int], cases: list, ima
     first, last = workers[0], workers[-1]
     cols = [f"{m.split(':')[0]} x{w}" for m in modes for w in workers]
     ratio_cols = [f"{m.split(':')[0]} {last}/{first}" for m in modes]
-    print(f"\nimages/s, median (load average after {os.getloadavg()[0]:.2f})")
-    print("| case | " + " | ".join(cols + ratio_cols) + " | decode ms PIL | decode ms torchvision |")
-    print("|---" * (len(cols) + len(ratio_cols) + 3) + "|")
+    header = ["case", *cols, *ratio_cols, "decode ms PIL", "decode ms torchvision"]
+    rows = []
     for fmt, size in cases:
         row = [f"{results[(m, fmt, size, w)]:.1f}" for m in modes for w in workers]
         ratios = [f"{results[(m, fmt, size, last)] / results[(m, fmt, size, first)]:.2f}" for m in modes]
         pil, tv = decode_ms(images[(fmt, size)][:8])
-        print(f"| {fmt} {size} | " + " | ".join(row + ratios) + f" | {pil:.2f} | {tv:.2f} |")
+        rows.append([f"{fmt} {size}", *row, *ratios, f"{pil:.2f}", f"{tv:.2f}"])
+    print(f"\nimages/s, median (load average after {os.getloadavg()[0]:.2f})")
+    print_markdown(header, rows)
+    bench_results.record("images/s, median", header, rows,
+                         f"{2 * last} concurrent callers at x{last}; decode: one image alone")
 
 
 def report_cpu(cpu: dict, modes: list[str], workers: list[int], cases: list) -> None:
     """CPU ms per image (this process + the pool's children): what the cores pay, whatever the load."""
     cols = [f"{m.split(':')[0]} x{w}" for m in modes for w in workers]
-    print("\nCPU ms per image, median (encoder process + pool children; the trio caller included)")
-    print("| case | " + " | ".join(cols) + " |")
-    print("|---" * (len(cols) + 1) + "|")
-    for fmt, size in cases:
-        print(f"| {fmt} {size} | " + " | ".join(f"{cpu[(m, fmt, size, w)]:.2f}" for m in modes for w in workers) + " |")
+    header = ["case", *cols]
+    rows = [[f"{fmt} {size}", *(f"{cpu[(m, fmt, size, w)]:.2f}" for m in modes for w in workers)]
+            for fmt, size in cases]
+    title = "CPU ms per image, median (encoder process + pool children; the trio caller included)"
+    print(f"\n{title}")
+    print_markdown(header, rows)
+    bench_results.record(title, header, rows)
+
+
+def print_markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    print("| " + " | ".join(header) + " |")
+    print("|---" * len(header) + "|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -233,6 +246,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="the CPU paths to measure (default: both)")
     parser.add_argument("--device", default=None, help="also the --preprocess-device path, e.g. cuda")
     parser.add_argument("--model-path", default=None, help="default: the embedded tiny model")
+    bench_results.add_argument(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.images = min(args.images, 24)
@@ -240,4 +254,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    trio.run(main, parse_args())
+    _args = parse_args()
+    with bench_results.recording("bench_preprocess", _args.results):
+        trio.run(main, _args)

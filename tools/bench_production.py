@@ -42,6 +42,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads must 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 import bench_engine  # noqa: E402  (tools/: checkpoint builder and images)
+import bench_results  # noqa: E402  (tools/: the results file the docs are built from)
 from bench_service import load, percentile, print_table  # noqa: E402  (the same report helpers)
 
 
@@ -95,8 +96,11 @@ def cache_part(args: argparse.Namespace, model_dir: Path) -> None:
         rows.append((path, f"{percentile(miss, 50) * 1e3:.2f}", f"{percentile(miss, 90) * 1e3:.2f}",
                      f"{percentile(hit, 50) * 1e3:.3f}", f"{percentile(hit, 90) * 1e3:.3f}",
                      f"{statistics.median(miss) / statistics.median(hit):.0f}x"))
+    header = ("path", "miss p50 ms", "miss p90 ms", "hit p50 ms", "hit p90 ms", "miss/hit p50")
     print()
-    print_table(("path", "miss p50 ms", "miss p90 ms", "hit p50 ms", "hit p90 ms", "miss/hit p50"), rows)
+    print_table(header, rows)
+    bench_results.record("embedding cache: hit against miss, sequential requests", header, rows,
+                         f"{args.cache_images} JPEG images, each encoded twice in a row")
 
 
 # ---- 2: one worker vs two --------------------------------------------------------
@@ -163,8 +167,11 @@ def workers_part(args: argparse.Namespace, model_dir: Path) -> None:
     base = best[configs[0][0]][0]
     rows = [(label, f"{args.images / s:.2f}", f"{base / s:.2f}", "/".join(map(str, f)))
             for label, (s, f) in best.items()]
+    header = ("configuration", "img/s", f"vs {configs[0][0]}", "forwards per worker")
     print()
-    print_table(("configuration", "img/s", f"vs {configs[0][0]}", "forwards per worker"), rows)
+    print_table(header, rows)
+    bench_results.record("one device worker against two", header, rows,
+                         f"{args.images} JPEG images, C = {args.concurrency}, best of {args.repeat}")
 
 
 # ---- main ---------------------------------------------------------------------------
@@ -185,6 +192,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sizes", type=int, nargs="+", default=None)
     p.add_argument("--checkpoint-dir", type=Path, default=None)
     p.add_argument("--seed", type=int, default=0)
+    bench_results.add_argument(p)
     args = p.parse_args(argv)
     args.cache_images = args.cache_images or (12 if args.quick else 32)
     args.images = args.images or (24 if args.quick else 64)
@@ -194,9 +202,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    with bench_results.recording("bench_production", args.results, argv):
+        measure_and_report(args)
+
+
+def measure_and_report(args: argparse.Namespace) -> None:
     import torch
 
-    args = parse_args(argv)
     spec = bench_engine.QWEN25_VL_7B if args.full_size else bench_engine.QUICK
     started = time.perf_counter()
     print(f"bench_production: {spec}\ntorch {torch.__version__}, threads {torch.get_num_threads()}, "

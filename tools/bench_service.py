@@ -81,6 +81,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 import bench_engine  # noqa: E402  (tools/: the checkpoint builder and images are shared)
+import bench_results  # noqa: E402  (tools/: the results file the docs are built from)
 
 LATENCY_TARGET_MS = 3.0
 THROUGHPUT_TARGET = 0.9
@@ -277,9 +278,13 @@ def report_latency(result: LatencyResult, title: str) -> bool | None:
         rows.append((name, len(ms), f"{min(ms):.2f}", f"{p50:.2f}", f"{percentile(ms, 99):.2f}",
                      f"{statistics.fmean(ms):.2f}", added, f"{result.loop_cpu[name] * 1e3:.2f}",
                      f"{result.proc_cpu[name] * 1e3:.2f}", note))
+    header = ("path", "n", "min ms", "p50 ms", "p99 ms", "mean ms", "added p50 ms",
+              "loop cpu ms", "proc cpu ms", "note")
     print(f"\n{title}")
-    print_table(("path", "n", "min ms", "p50 ms", "p99 ms", "mean ms", "added p50 ms",
-                 "loop cpu ms", "proc cpu ms", "note"), rows)
+    print_table(header, rows)
+    bench_results.record("added latency: sequential single images, tiny model", header, rows,
+                         "loop cpu: the trio thread's CPU per request (client and server share it "
+                         "here); proc cpu: all threads")
     print("loop cpu: CPU time of the trio thread (client, HTTP server, service, scheduler) per "
           "request (for grpc not the gRPC server's own thread); proc cpu: all threads (forward, "
           "preprocessing, gRPC threads, OpenMP spinning)")
@@ -421,10 +426,14 @@ def report_throughput(rows: list[LoadRow], n: int, title: str) -> bool:
                       f"{(s.seconds - e.seconds) / n * 1e3:+.1f}",
                       f"{e.cpu_seconds / n * 1e3:.0f}", f"{s.cpu_seconds / n * 1e3:.0f}",
                       f"{row.min_cpu_share:.0%}", note))
+    header = ("C", "engine img/s", "service img/s", "service/engine", "per pair",
+              "engine img/batch", "service img/batch", "added ms/img", "engine cpu ms/img",
+              "service cpu ms/img", "min cpu", "note")
     print(f"\n{title}")
-    print_table(("C", "engine img/s", "service img/s", "service/engine", "per pair",
-                 "engine img/batch", "service img/batch", "added ms/img", "engine cpu ms/img",
-                 "service cpu ms/img", "min cpu", "note"), table)
+    print_table(header, table)
+    bench_results.record("throughput under load: service (HTTP + ZMQ + client) against the engine",
+                         header, table, "best run of each side; min cpu: the least share of the "
+                         "cores this process got in a run")
     print("best run of each side; per pair: service/engine of each back-to-back pair; cpu ms/img: "
           "process CPU (all threads) per image in that run, less sensitive to other load than the\n"
           "wall clock (with OpenMP spinning it counts spin too); min cpu: the least share of the "
@@ -463,9 +472,11 @@ def report_faces(runs: dict[str, list[LoadRun]], n: int, concurrency: int, title
                      "/".join(f"{n / r.seconds:.2f}" for r in runs[name]),
                      f"{n / run.batches:.2f}", f"{run.cpu_seconds / n * 1e3:.0f}",
                      f"{bench_engine.cpu_share(run.cpu_seconds, run.seconds):.0%}"))
+    header = ("path", "C", "img/s", "vs engine", "each run img/s", "img/batch", "cpu ms/img", "cpu")
     print(f"\n{title}")
-    print_table(("path", "C", "img/s", "vs engine", "each run img/s", "img/batch", "cpu ms/img",
-                 "cpu"), rows)
+    print_table(header, rows)
+    bench_results.record("engine, inline HTTP and gRPC under load (inline answers)", header, rows,
+                         "best run of each path")
     print(f"grpc/inline HTTP: {best['grpc'].rate(n) / best['inline'].rate(n):.3f} "
           "(best runs; both answer inline: the same safetensors bytes, in an HTTP body or in "
           "EncodeResponse)")
@@ -512,6 +523,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="set OMP_WAIT_POLICY before torch loads (default: leave the environment)")
     p.add_argument("--http-server", choices=("builtin", "hypercorn"), default="builtin",
                    help="the encoder's HTTP server (--http-server)")
+    bench_results.add_argument(p)
     return p.parse_args(argv)
 
 
@@ -604,6 +616,11 @@ def throughput_part(args: argparse.Namespace, tmp: str) -> bool | None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    with bench_results.recording("bench_service", args.results, argv):
+        measure_and_report(args)
+
+
+def measure_and_report(args: argparse.Namespace) -> None:
     if args.omp_wait_policy:
         if "torch" in sys.modules:
             print("warning: torch is already loaded; --omp-wait-policy has no effect")

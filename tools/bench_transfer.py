@@ -86,8 +86,9 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # the Mooncake engine's glog noise
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
+import bench_results  # noqa: E402  (tools/: the results file the docs are built from)
 import torch  # noqa: E402
 import trio  # noqa: E402
 
@@ -282,10 +283,15 @@ async def measure(methods: dict[str, Once], sizes: list[int], repeat: int, dst: 
 
 def cpu_table(cpu: dict[str, dict[int, float]], sizes: list[int]) -> str:
     """The trio thread's CPU per message: the Python a method runs (both ends, for ZMQ)."""
+    head, rows = cpu_rows(cpu, sizes)
+    bench_results.record("trio-thread CPU per message (median)", head, rows)
+    return _aligned(head, rows)
+
+
+def cpu_rows(cpu: dict[str, dict[int, float]], sizes: list[int]) -> tuple[list[str], list[list[str]]]:
     names = [m for m in cpu if m.startswith("zmq") or m == REFERENCE]
     head = ["size MiB"] + [f"{m} us" for m in names]
-    return _aligned(head, [[str(size)] + [f"{cpu[m][size] * 1e6:.0f}" for m in names]
-                           for size in sizes])
+    return head, [[str(size)] + [f"{cpu[m][size] * 1e6:.0f}" for m in names] for size in sizes]
 
 
 def _aligned(head: list[str], rows: list[list[str]]) -> str:
@@ -308,6 +314,7 @@ def table(gbps: dict[str, dict[int, float]], sizes: list[int]) -> str:
             ratio = f" ({value / ref:.2f})" if ref and m not in NOT_TRANSFERS else ""
             cells.append(f"{value:.2f}{ratio}")
         rows.append(cells)
+    bench_results.record("GB/s (ratio to the raw socket), median", head, rows)
     return _aligned(head, rows)
 
 
@@ -483,6 +490,10 @@ async def run(args: argparse.Namespace) -> None:
     print(f"{'path':<32}{'peak RSS growth':>18}{'/ payload':>11}{'tracemalloc peak':>18}")
     for name, rss, py in rows:
         print(f"{name:<32}{rss / MiB:>14.2f} MiB{rss / (size * MiB):>11.3f}{py / 1024:>14.1f} KiB")
+    bench_results.record(f"encoder-side copies: a resident {size} MiB payload, 3 sends each",
+                         ["path", "peak RSS growth MiB", "/ payload", "tracemalloc peak KiB"],
+                         [[name, f"{rss / MiB:.2f}", f"{rss / (size * MiB):.3f}", f"{py / 1024:.1f}"]
+                          for name, rss, py in rows])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -496,6 +507,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--copy-check-mib", type=int,
                         help="payload of the copy count (default 64, --quick 16)")
     parser.add_argument("--zmq-sink", type=int, help=argparse.SUPPRESS)  # the child process
+    bench_results.add_argument(parser)
     return parser.parse_args(argv)
 
 
@@ -503,7 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.zmq_sink:
         return _sink_main(args.zmq_sink)
-    trio.run(run, args)
+    with bench_results.recording("bench_transfer", args.results, argv):
+        trio.run(run, args)
     return 0
 
 

@@ -43,10 +43,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "chaos")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "chaos"), str(ROOT / "tools")]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # the Mooncake engine's glog noise
 
+import bench_results  # noqa: E402  (tools/: the results file the docs are built from)
 import httpx  # noqa: E402
 import trio  # noqa: E402
 
@@ -224,6 +225,15 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def table(tally: Tally, args: argparse.Namespace, wall: float) -> str:
+    rows = table_rows(tally, args, wall)
+    width = max(len(k) for k, _ in rows)
+    lines = [f"| {'':<{width}} | chaos soak |", f"|{'-' * (width + 2)}|{'-' * 12}|"]
+    lines += [f"| {k:<{width}} | {v} |" for k, v in rows]
+    bench_results.record("chaos soak", ["", "chaos soak"], rows)
+    return "\n".join(lines)
+
+
+def table_rows(tally: Tally, args: argparse.Namespace, wall: float) -> list[tuple[str, str]]:
     ms = lambda v: f"{v * 1000:.0f} ms"  # noqa: E731
     kinds = ", ".join(f"{k} {n}" for k, n in sorted(tally.scenarios.items()))
     errors = ", ".join(f"{k} {n}" for k, n in tally.errors.most_common()) or "none"
@@ -248,10 +258,7 @@ def table(tally: Tally, args: argparse.Namespace, wall: float) -> str:
         ("healthy p50 (baseline / chaos)", f"{ms(percentile(b, 0.5))} / {ms(percentile(d, 0.5))}"),
         ("healthy p99 (baseline / chaos)", f"{ms(percentile(b, 0.99))} / {ms(percentile(d, 0.99))}"),
     ]
-    width = max(len(k) for k, _ in rows)
-    lines = [f"| {'':<{width}} | chaos soak |", f"|{'-' * (width + 2)}|{'-' * 12}|"]
-    lines += [f"| {k:<{width}} | {v} |" for k, v in rows]
-    return "\n".join(lines)
+    return rows
 
 
 # ---- main ------------------------------------------------------------------------------------------------------------
@@ -330,6 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="run exactly these seeds (comma-separated)")
     parser.add_argument("--model-path", default=None, help="checkpoint (default: the embedded tiny model)")
     parser.add_argument("--logs", default=None, help="keep the servers' logs in this directory")
+    bench_results.add_argument(parser)
     args = parser.parse_args(argv)
     if args.encoders < 1 or args.parallel < 1:
         parser.error("--encoders and --parallel must be at least 1")
@@ -345,7 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"chaos soak: first seed {args.seed} (replay one with --replay SEED --parallel 1)",
               file=sys.stderr)
     ensure_model(args)
-    return trio.run(soak, args)
+    with bench_results.recording("chaos_soak", args.results, argv):
+        return trio.run(soak, args)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The tests against the lent GPU machines' transformers, before a lease is spent on it.
+# The tests against the GPU image's transformers, run here before the GPU check relies on it.
 #
 #   bash tools/compat_image.sh [pytest args]     # default: tests --ignore=tests/sglang -q
 #
-# The device image (the device tool's KINDS.md, its pip list) holds transformers 5.17.0 and
+# The GPU image (its pip list) holds transformers 5.17.0 and
 # huggingface_hub 1.33.0, which gpu_check.sh uses as they are; the project's venv has newer
 # ones. Those two versions are installed with --no-deps into a folder of their own and put
 # first on PYTHONPATH (the venv is left as it is; subprocesses see the same). tests/sglang
-# is left out by default: SGLang's receiver is not run on a lent machine (gpu_check.sh).
+# is left out by default: the GPU check runs SGLang's receiver only where its interop env is.
 # EPD_COMPAT_TRANSFORMERS / EPD_COMPAT_HUB pick other versions when the image changes.
 set -euo pipefail
 source "$(dirname "$0")/env.sh"

@@ -1,5 +1,5 @@
 # Sourced by tools/demo.sh and tools/test.sh: create or reuse .venv and install
-# the project (with its test extras) whenever pyproject.toml has changed.
+# the project (with its test and docs extras) whenever pyproject.toml has changed.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${EPD_VENV:-$ROOT/.venv}"
@@ -8,7 +8,7 @@ if [ ! -x "$VENV/bin/python" ]; then
     echo "creating virtual environment in $VENV" >&2
     "$PYTHON" -m venv "$VENV"
 fi
-# Extras beside [test]: by default the CPU build of the Mooncake transfer
+# Extras beside [test,docs]: by default the CPU build of the Mooncake transfer
 # engine, unless a mooncake module (e.g. the CUDA build) is already installed —
 # the two must never be installed together. EPD_EXTRAS overrides ("" = none).
 if [ -z "${EPD_EXTRAS+set}" ]; then
@@ -17,9 +17,9 @@ fi
 STAMP="$VENV/.epd-trio-installed"
 WANT="$( (cat "$ROOT/pyproject.toml"; echo "$EPD_EXTRAS") | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
-    echo "installing epd-trio[test${EPD_EXTRAS:+,$EPD_EXTRAS}] into $VENV (torch is large: a few minutes)" >&2
+    echo "installing epd-trio[test,docs${EPD_EXTRAS:+,$EPD_EXTRAS}] into $VENV (torch is large: a few minutes)" >&2
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
-    "$VENV/bin/python" -m pip install --quiet -e "$ROOT[test${EPD_EXTRAS:+,$EPD_EXTRAS}]"
+    "$VENV/bin/python" -m pip install --quiet -e "$ROOT[test,docs${EPD_EXTRAS:+,$EPD_EXTRAS}]"
     echo "$WANT" > "$STAMP"
 fi
 # Mooncake's glog: errors only (it reports "No RDMA devices found" and the like at start).

@@ -1,4 +1,4 @@
-"""The wheels a lent GPU machine needs: epd-trio's requirements that its image lacks.
+"""The wheels an offline GPU machine needs: epd-trio's requirements that its image lacks.
 
 ``tools/gpu_wheels.sh`` downloads what this prints (``name==version``, pinned to
 the running environment, one per line) for that machine's Python; without it,
@@ -6,11 +6,10 @@ the running environment, one per line) for that machine's Python; without it,
 transitive closure of epd-trio's requirements (and the ``test`` extra), with
 markers evaluated for the target Python on Linux, less:
 
-- what the image already holds (``IMAGE``, from the device library's KINDS.md of
+- what the image already holds (``IMAGE``, from the GPU image's package list of
   2026-11-17), and what those need, except the few whose version matters to us
   (``CARRY_ANYWAY``);
-- ``LAZY``: imported only to decode video and audio, and ``av`` alone is 36 MB
-  of the 64 MiB a device call may carry.
+- ``LAZY``: imported only to decode video and audio, and ``av`` alone is 36 MB.
 
 Run it with the environment that holds epd-trio installed (``.venv``)::
 

@@ -3,7 +3,7 @@
 # machine that has no network: epd-trio's requirements (and its test extra) that the
 # machine's image lacks, as tools/gpu_wheels.py lists them, pinned to this checkout's .venv.
 # The video and audio decoders (av, soundfile) stay out: imported only for those media,
-# and av alone is 36 MB of the 64 MiB a device call carries.
+# and av alone is 36 MB.
 #
 #   bash tools/gpu_wheels.sh            # → .whl/ (ignored by git), ~13 MB
 #

@@ -1,4 +1,4 @@
-"""Probe: the candidate ways to serve gRPC from a trio program, side by side (issue 16, item 4).
+"""Probe: the candidate ways to serve gRPC from a trio program, side by side.
 
 grpcio's servers are asyncio- or thread-based and purerpc (trio-native) is unmaintained, so
 before building the gRPC face we measure each way of reaching a **trio** service function from a
@@ -34,6 +34,7 @@ import contextlib
 import functools
 import json
 import multiprocessing
+import os
 import queue
 import statistics
 import subprocess
@@ -52,6 +53,9 @@ import grpc.aio
 import outcome
 import trio
 from grpc_health.v1 import health_pb2
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_results  # noqa: E402  (tools/: the results file the docs are built from)
 
 SERVICE = "probe.Probe"
 HEALTH = "grpc.health.v1.Health"
@@ -787,22 +791,26 @@ def run_candidate(name: str, args: argparse.Namespace) -> Row:
             process.join()
 
 
-def table(rows: list[Row]) -> str:
+TABLE_HEADER = ["candidate", "unary p50 ms", "unary p99 ms", "calls/s, 16 clients", "× A",
+                "server CPU µs/call", "client cancel → trio task", "deadline → trio task",
+                "health Watch", "note"]
+
+
+def table_rows(rows: list[Row]) -> list[list[str]]:
     base = next((row.calls_s for row in rows if row.name == "A" and row.calls_s), None)
 
     def number(value: float | None, digits: int = 2) -> str:
         return "" if value is None else f"{value:.{digits}f}"
 
-    lines = ["| candidate | unary p50 ms | unary p99 ms | calls/s, 16 clients | × A "
-             "| server CPU µs/call | client cancel → trio task | deadline → trio task "
-             "| health Watch | note |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for row in rows:
-        ratio = number(row.calls_s / base) if base and row.calls_s else ""
-        lines.append(f"| {row.name}. {row.title} | {number(row.p50_ms)} | {number(row.p99_ms)} "
-                     f"| {number(row.calls_s, 0)} | {ratio} | {number(row.cpu_us, 0)} "
-                     f"| {row.cancel} | {row.deadline} "
-                     f"| {row.watch} | {row.note} |")
+    return [[f"{row.name}. {row.title}", number(row.p50_ms), number(row.p99_ms),
+             number(row.calls_s, 0), number(row.calls_s / base) if base and row.calls_s else "",
+             number(row.cpu_us, 0), row.cancel, row.deadline, row.watch, row.note]
+            for row in rows]
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|---" * len(TABLE_HEADER) + "|"]
+    lines += ["| " + " | ".join(cells) + " |" for cells in table_rows(rows)]
     return "\n".join(lines)
 
 
@@ -813,17 +821,22 @@ def main() -> None:
     parser.add_argument("--candidates", nargs="+", default=names, choices=names)
     parser.add_argument("--trio-asyncio-path", default="/tmp/probe-trio-asyncio",
                         help="a `pip install --target` folder holding trio-asyncio and greenlet")
+    bench_results.add_argument(parser)
     args = parser.parse_args()
     args.calls, args.seconds, args.rounds, args.watches = (
         (300, 1.5, 1, 3) if args.quick else (2000, 4.0, 3, 8))
-    rows = []
-    for name in args.candidates:
-        if name == "E":
-            rows.append(Row("E", "purerpc 0.8.0 (trio-native via anyio)", note=purerpc_check()))
-        else:
-            rows.append(run_candidate(name, args))
-        print(f"done: {name}", file=sys.stderr, flush=True)
-    print(table(rows))
+    with bench_results.recording("probe_grpc", args.results):
+        rows = []
+        for name in args.candidates:
+            if name == "E":
+                rows.append(Row("E", "purerpc 0.8.0 (trio-native via anyio)", note=purerpc_check()))
+            else:
+                rows.append(run_candidate(name, args))
+            print(f"done: {name}", file=sys.stderr, flush=True)
+        print(table(rows))
+        bench_results.record("ways to serve gRPC from trio, side by side", TABLE_HEADER,
+                             table_rows(rows), f"{args.calls} unary calls; 16 clients for "
+                             f"{args.rounds} x {args.seconds:g} s; {args.watches} Watch streams")
 
 
 if __name__ == "__main__":

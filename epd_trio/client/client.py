@@ -6,7 +6,9 @@ one nursery) composing three parts, each
 with its own ``statistics()``: the ``Router`` (``router``: placement, failover,
 outstanding counts, ``/abort``), the ``Demultiplexer`` (``demux``: ZMQ messages
 to the parts waiting for them) and the ``Discovery`` task (``discovery``: the
-registry's list, with ``bootstrap_url``).
+registry's list, with ``bootstrap_url``, and a DNS name's, with ``discovery_dns``).
+What each encoder is told to deliver to comes from ``addresses`` (``ReturnAddresses``:
+an address of this host it can reach).
 
 A request is one ``req_id`` and several parts (see ``routing``). Its parts run
 as sibling tasks under one cancel scope; the first failure (an encoder's HTTP
@@ -46,6 +48,8 @@ from typing import Any, Final, TypeVar
 import httpx
 import trio
 
+from epd_trio._routes import Routes
+from epd_trio.client.addresses import ReturnAddresses, advertised_endpoint, choose_mooncake_host
 from epd_trio.client.answers import (
     Answer,
     check_message,
@@ -55,7 +59,7 @@ from epd_trio.client.answers import (
     parse_meta,
     parse_sized_meta,
 )
-from epd_trio.client.calls import EncoderCalls
+from epd_trio.client.calls import EncoderCalls, encoder_transport
 from epd_trio.client.demux import Demultiplexer
 from epd_trio.client.discovery import Discovery, merge_urls
 from epd_trio.client.inplace import open_registered_engine, write_parts
@@ -94,7 +98,7 @@ from epd_trio.errors import (
 )
 from epd_trio.protocol.messages import validate_req_id
 from epd_trio.transport.mooncake import MooncakeTransport
-from epd_trio.transport.zmq import PullReceiver, validate_endpoint
+from epd_trio.transport.zmq import PullReceiver
 
 __all__ = [
     "ClientStatistics",
@@ -113,21 +117,12 @@ _ANSWER_SLACK: Final = 1 << 20
 _COPY_IN_THREAD_BYTES: Final = 16 << 20
 
 
-def advertised_endpoint(bound: str, advertise: str | None) -> str:
-    """The endpoint encoders push to: ``advertise`` (port 0 = the bound port) or ``bound``."""
-    if not advertise:
-        return bound
-    if advertise.startswith("tcp://") and advertise.endswith(":0") and bound.startswith("tcp://"):
-        advertise = advertise[:-1] + bound.rsplit(":", 1)[1]
-    return validate_endpoint(advertise)
-
-
 class EncoderClient:
     """The receiver side of EPD; build with ``open_encoder_client``, use in ``async with``.
 
     It composes a ``Router`` (placement, failover, outstanding counts, aborts),
     a ``Demultiplexer`` (the PULL socket and the table of live parts) and, with
-    ``bootstrap_url``, a ``Discovery`` task; what remains here is a request's
+    ``bootstrap_url`` or ``discovery_dns``, a ``Discovery`` task; what remains here is a request's
     own course: register, run the parts, gather, clean up.
     """
 
@@ -139,9 +134,11 @@ class EncoderClient:
         self.discovery = Discovery(
             config.encoder_urls, config.bootstrap_url, interval=config.refresh_interval,
             timeout=config.registry_timeout, on_list=self.router.set_encoders,
-        ) if config.bootstrap_url else None
+            dns=config.discovery_dns,
+        ) if config.bootstrap_url or config.discovery_dns else None
         self.pool = EmbeddingPool(config.pool_bytes)
-        self.endpoint = ""  # advertised to encoders; set once open (zmq only)
+        self.routes = Routes(timeout=config.connect_timeout)  # to encoders: whom to tell what
+        self.addresses: ReturnAddresses | None = None  # what each encoder is told; set once open
         self.mooncake: MooncakeTransport | None = None  # set once open (mooncake only)
         self._transport = http_transport
         self._http: httpx.AsyncClient | None = None
@@ -163,6 +160,12 @@ class EncoderClient:
         return self.router.encoders
 
     @property
+    def endpoint(self) -> str:
+        """The one ZMQ endpoint every encoder is told, when ``zmq_bind`` names one that is no
+        wildcard (or ``zmq_advertise`` is set); "" otherwise (see ``addresses``)."""
+        return self.addresses.endpoint if self.addresses is not None else ""
+
+    @property
     def metrics_registry(self) -> Any:
         """This client's ``prometheus_client.CollectorRegistry`` (see ``client.metrics``)."""
         return self.metrics.registry
@@ -174,13 +177,17 @@ class EncoderClient:
         pull: PullReceiver | None = None
         try:
             if self.config.transfer_backend == "mooncake":
-                self.mooncake = await open_registered_engine(self._stack, self.config, self.pool)
+                host = await choose_mooncake_host(self.config, self.routes)
+                self.mooncake = await open_registered_engine(self._stack, self.config, self.pool, host)
+                self.addresses = ReturnAddresses(self.config, self.routes, mooncake_host=host)
             elif self.config.transfer_backend == "zmq":
-                pull = await self._stack.enter_async_context(PullReceiver(self.config.zmq_bind))
-                self.endpoint = advertised_endpoint(pull.last_endpoint, self.config.zmq_advertise)
+                pull = await self._stack.enter_async_context(PullReceiver(None))
+                self.addresses = ReturnAddresses(self.config, self.routes, pull=pull)
+            else:
+                self.addresses = ReturnAddresses(self.config, self.routes)
             timeout = httpx.Timeout(None, connect=self.config.connect_timeout)  # deadlines are ours
             self._http = http = await self._stack.enter_async_context(
-                httpx.AsyncClient(timeout=timeout, transport=self._transport))
+                httpx.AsyncClient(timeout=timeout, transport=self._transport or encoder_transport()))
             # A part's answer holds at most its embedding (inline), which must fit the pool.
             self._calls = EncoderCalls(http, await self._stack.enter_async_context(self.grpc),
                                        max_answer_bytes=self.config.pool_bytes + _ANSWER_SLACK)
@@ -318,12 +325,17 @@ class EncoderClient:
             messages_received=demux.messages_received, messages_dropped=demux.messages_dropped,
             malformed_messages=demux.malformed_messages, aborts_sent=routed.aborts_sent,
             aborts_failed=routed.aborts_failed,
-            refresh_failures=self.discovery.statistics().refresh_failures
-            if self.discovery is not None else 0,
+            refresh_failures=self._refresh_failures(),
             slots_held_after_abort=self._slots_held,
             pool=self.pool.statistics(),
             mooncake=self.mooncake.statistics() if self.mooncake is not None else None,
         )
+
+    def _refresh_failures(self) -> int:
+        if self.discovery is None:
+            return 0
+        s = self.discovery.statistics()
+        return s.refresh_failures + s.dns_failures
 
     def __repr__(self) -> str:
         s = self.statistics()
@@ -473,15 +485,14 @@ class EncoderClient:
     async def _post(self, req: LiveRequest, state: PartState) -> Answer:
         """/encode through the router; its 200 answer, else the encoder's error."""
         part, calls = state.part, self._still_open()
-        deliver = {"backend": self.config.transfer_backend}
-        if self.config.transfer_backend == "zmq":
-            deliver["endpoint"] = self.endpoint
+        assert self.addresses is not None
         body = {
             "req_id": req.req_id, "modality": part.modality,
             "mm_items": [req.wire[part.modality][i] for i in part.item_indices],
-            "num_parts": len(req.parts), "part_idx": part.part_idx, "deliver": deliver,
+            "num_parts": len(req.parts), "part_idx": part.part_idx,
         }
-        response = await self.router.post(calls, req, state, body)
+        # "deliver" is the encoder's own: where it can reach us (chosen per attempt).
+        response = await self.router.post(calls, req, state, body, deliver=self.addresses.deliver_for)
         # A Mooncake 200 leaves the part staged on the encoder until its /send.
         state.answered = response.status_code != 200 or self.mooncake is None
         if response.status_code != 200:

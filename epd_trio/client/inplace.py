@@ -30,10 +30,11 @@ __all__ = ["open_registered_engine", "write_parts"]
 
 
 async def open_registered_engine(stack: AsyncExitStack, config: ClientConfig,
-                                 pool: EmbeddingPool) -> MooncakeTransport:
-    """A transfer engine on ``stack`` with ``pool``'s buffer registered (a stable address)."""
+                                 pool: EmbeddingPool, host: str) -> MooncakeTransport:
+    """A transfer engine on ``stack``, named ``host`` (where encoders reach it: see
+    ``addresses``), with ``pool``'s buffer registered (a stable address)."""
     engine = await stack.enter_async_context(
-        open_mooncake(config.mooncake_host, config.mooncake_protocol, config.mooncake_device))
+        open_mooncake(host, config.mooncake_protocol, config.mooncake_device))
     await stack.enter_async_context(engine.registered(pool.address, pool.capacity))
     return engine
 

@@ -18,7 +18,7 @@ count while parts are still out there.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import trio
 
-from epd_trio.client.answers import Answer, EncoderUnreachable
+from epd_trio.client.answers import Answer, EncoderUnreachable, json_of
 from epd_trio.client.calls import EncoderCalls
 from epd_trio.client.routing import Part, pick_fallback, plan_parts
 from epd_trio.client.state import LiveRequest, PartState
@@ -37,11 +37,25 @@ __all__ = ["Router", "RouterStatistics"]
 log = logging.getLogger(__name__)
 
 
+class EncoderDraining(EncoderUnreachable):
+    """An encoder refused a part at admission because it drains (``DrainingError``): the part
+    never reached its work, so it moves as after a refused connection."""
+
+
+def _refused_while_draining(answer: Answer) -> bool:
+    if answer.status_code != 503:
+        return False
+    try:
+        return bool(json_of(answer)["error"]["type"] == "DrainingError")
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
 @dataclass(frozen=True)
 class RouterStatistics:
     encoders: tuple[str, ...]
     outstanding: Mapping[str, int]  # parts in flight per encoder
-    retries: int  # parts moved to another encoder (a connect error; see ``post``)
+    retries: int  # parts moved to another encoder: a connect error, a draining refusal (see ``post``)
     aborts_sent: int  # /abort answered 200, or 404 (the encoder was already done)
     aborts_failed: int  # /abort unreachable or answered anything else
 
@@ -94,15 +108,26 @@ class Router:
     async def post(self, calls: EncoderCalls, req: LiveRequest, state: PartState,
                    body: dict[str, Any], *, path: str = "/encode",
                    headers: Mapping[str, str] | None = None,
+                   deliver: Callable[[str], Awaitable[dict[str, Any]]] | None = None,
                    retry_status: Callable[[int], bool] | None = None) -> Answer:
-        """One part's call (HTTP or gRPC), whatever its status; a connect error moves the
-        part, and with ``retry_status`` a broken call or such a status too (the last
-        encoder's answer is returned when no other is left to try)."""
+        """One part's call (HTTP or gRPC), whatever its status. A connect error, or a 503
+        ``DrainingError`` (refused at admission: not taken at all) while another encoder is
+        left, moves the part; with ``retry_status``, so do a call broken mid-way and a status
+        it accepts (with no other encoder left, that last answer is returned).
+        ``deliver(url)`` gives the body's ``deliver`` for each encoder tried (where that one
+        reaches us); it may raise ``EncoderUnreachable`` too."""
         tried: list[str] = []
         while True:
-            state.posted = True
             try:
+                if deliver is not None:
+                    body = {**body, "deliver": await deliver(state.encoder_url)}
+                state.posted = True
                 answer = await calls.post(state.encoder_url, path, body, headers)
+                if _refused_while_draining(answer):
+                    # Not taken at all (a rolling update): as if it had never reached it.
+                    if pick_fallback(self.encoders, self._outstanding, [*tried, state.encoder_url]) is None:
+                        return answer
+                    raise EncoderDraining(f"{state.encoder_url} is draining")
             except (httpx.ConnectError, httpx.ConnectTimeout, EncoderUnreachable) as exc:
                 state.posted = False  # it never reached that encoder
                 tried.append(state.encoder_url)

@@ -32,13 +32,13 @@ class ClientStatistics:
     parts_live: int  # parts registered with the demultiplexer
     requests_done: int
     requests_failed: int
-    retries: int  # parts moved to another encoder after a connect error
+    retries: int  # parts moved to another encoder after a connect error or a draining refusal
     messages_received: int
     messages_dropped: int  # for no live part (late, duplicate or unknown) or a failed request
     malformed_messages: int  # dropped by the PULL receiver
     aborts_sent: int
     aborts_failed: int
-    refresh_failures: int  # registry queries that failed (the last list was kept)
+    refresh_failures: int  # registry queries and resolutions that failed (the last list was kept)
     pool: PoolStatistics
     mooncake: MooncakeStatistics | None  # the transfer engine, with transfer_backend="mooncake"
     slots_held_after_abort: int = 0  # Mooncake slots held abort_hold s: an /abort went unconfirmed

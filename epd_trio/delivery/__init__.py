@@ -28,6 +28,7 @@ from epd_trio.delivery.mooncake import MooncakeDelivery
 from epd_trio.delivery.sglang_mooncake import SGLangMooncakeDelivery
 from epd_trio.delivery.sglang_rendezvous import Rendezvous
 from epd_trio.delivery.sglang_zmq import SGLangZmqDelivery
+from epd_trio.delivery.vllm_mooncake import EcControl, VllmMooncakeDelivery
 from epd_trio.delivery.vllm_storage import VllmStorageDelivery
 from epd_trio.delivery.zmq import ZmqDelivery
 from epd_trio.config import EncoderConfig
@@ -35,6 +36,7 @@ from epd_trio.errors import RequestError
 from epd_trio.protocol.requests import EncodeRequest
 from epd_trio.transport.mooncake import MooncakeTransport, open_mooncake
 from epd_trio.transport.zmq import PushSocketCache
+from epd_trio.transport.zmq_request import RequestSockets
 
 __all__ = [
     "Answer",
@@ -48,6 +50,7 @@ __all__ = [
     "Rendezvous",
     "SGLangMooncakeDelivery",
     "SGLangZmqDelivery",
+    "VllmMooncakeDelivery",
     "VllmStorageDelivery",
     "ZmqDelivery",
     "build_delivery",
@@ -65,6 +68,7 @@ FACTORIES: Mapping[str, DeliveryFactory] = MappingProxyType({
     "sglang_zmq": SGLangZmqDelivery.for_request,
     "sglang_mooncake": SGLangMooncakeDelivery.for_request,
     "vllm_storage": VllmStorageDelivery.for_request,
+    "vllm_mooncake": VllmMooncakeDelivery.for_request,
 })
 
 
@@ -82,10 +86,10 @@ async def open_deliveries(config: EncoderConfig) -> AsyncIterator[DeliveryContex
     """The transports this encoder's deliveries borrow, open for the block."""
     async with PushSocketCache(max_sockets=config.zmq_max_sockets, idle_close=config.zmq_idle_close,
                                sndhwm=config.zmq_sndhwm) as zmq, \
-            _maybe_mooncake(config) as mooncake:
+            _maybe_mooncake(config) as mooncake, _maybe_vllm_control(config) as vllm_control:
         yield DeliveryContext(zmq, mooncake, config.send_timeout, trio.CapacityLimiter(DELIVERY_THREADS),
                               Rendezvous(max_early=config.sglang_max_early_calls),
-                              vllm_storage=config.vllm_storage_path)
+                              vllm_storage=config.vllm_storage_path, vllm_control=vllm_control)
 
 
 @asynccontextmanager
@@ -94,5 +98,15 @@ async def _maybe_mooncake(config: EncoderConfig) -> AsyncIterator[MooncakeTransp
         yield None
         return
     host = config.mooncake_host or ("127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host)
-    async with open_mooncake(host, config.mooncake_protocol, config.mooncake_device) as mooncake:
+    async with open_mooncake(host, config.effective_mooncake_protocol, config.mooncake_device) as mooncake:
         yield mooncake
+
+
+@asynccontextmanager
+async def _maybe_vllm_control(config: EncoderConfig) -> AsyncIterator[EcControl | None]:
+    ec = config.vllm_ec
+    if ec is None or ec.control_timeout is None:
+        yield None
+        return
+    async with RequestSockets() as sockets:
+        yield EcControl(sockets, ec.control_timeout)

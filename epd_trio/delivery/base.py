@@ -37,6 +37,7 @@ from epd_trio.protocol.requests import EncodeMeta, EncodeRequest
 from epd_trio.delivery.sglang_rendezvous import Rendezvous
 
 if TYPE_CHECKING:
+    from epd_trio.delivery.vllm_mooncake import EcControl
     from epd_trio.transport.mooncake import MooncakeTransport
     from epd_trio.transport.zmq import PushSocketCache
 
@@ -104,12 +105,16 @@ class DeliveryContext:
     rendezvous: Rendezvous = dataclasses.field(default_factory=Rendezvous)
     # vLLM's shared-storage directory (ECExampleConnector's shared_storage_path); None: no vLLM face.
     vllm_storage: str | None = None
+    # The control plane of vLLM's ECMooncakeConnector consumers; None: not that connector.
+    vllm_control: EcControl | None = None
 
     def statistics(self) -> dict[str, Any]:
         """Each transport's statistics by name, for ``/stats`` (None: not opened)."""
+        control = self.vllm_control
         return {"zmq": dataclasses.asdict(self.zmq.statistics()),
                 "mooncake": dataclasses.asdict(self.mooncake.statistics()) if self.mooncake else None,
-                "sglang_rendezvous": dataclasses.asdict(self.rendezvous.statistics())}
+                "sglang_rendezvous": dataclasses.asdict(self.rendezvous.statistics()),
+                "vllm_ec": dataclasses.asdict(control.statistics()) if control else None}
 
 
 DeliveryFactory = Callable[[EncodeRequest, DeliveryContext], Delivery]

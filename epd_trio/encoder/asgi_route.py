@@ -3,7 +3,7 @@
 Why: Quart's per-request machinery (request and response objects, the request
 context, routing, hooks, signals) costs the trio thread about as much as
 Hypercorn's own HTTP/1.1 work — measured ~0.8–1.0 ms per request on a 2-core VM,
-where a whole small ``/encode`` cost ~5 ms (README, *The data path off Quart*).
+where a whole small ``/encode`` cost ~5 ms.
 The routes every request passes through (``/encode``, ``/send``, SGLang's
 rendezvous) are served here, each by a handler that takes the raw body and
 gives a ``Reply``; every other path, and lifespan, goes to the Quart app.

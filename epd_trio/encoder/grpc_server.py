@@ -1,8 +1,8 @@
 """The gRPC server (``--grpc-port``), beside HTTP in the same process and runtime.
 
 grpcio's server is asyncio-based, so it runs on a thread of its own with its
-own event loop (README, *gRPC under trio*, says why this over the other ways
-measured); every RPC's work is a trio task in this server's nursery, reached
+own event loop (docs/grpc.md says why this over the other ways measured by
+``tools/probe_grpc.py``); every RPC's work is a trio task in this server's nursery, reached
 through ``grpc_bridge.TrioBridge``. It serves ``sglang.grpc.encoder.SglangEncoder``,
 ``epd_trio.v1.Encoder``, ``grpc.health.v1.Health`` and server reflection; on
 every unary-request method of them, bytes that are not its request message are

@@ -22,7 +22,10 @@ Names (all prefixed ``epd_encoder_``):
   ``running_requests``, ``workers_alive``, ``draining``;
   ``worker_up{worker, device}``, ``device_busy_fraction{worker, device}``
   (share of the last 10 s in forwards), counters
-  ``device_busy_seconds_total`` and ``forwards_total`` per worker.
+  ``device_busy_seconds_total`` and ``forwards_total`` per worker;
+  ``batch_token_cap{worker, device, modality}``, the adaptive cap (most tokens
+  per forward; 0: each request alone), for each modality that has batched
+  while adaptation is on.
 - with the cache on: ``cache_hits_total``, ``cache_misses_total``,
   ``cache_evictions_total``, ``cache_bytes``, ``cache_capacity_bytes``,
   ``cache_entries``, ``cache_hit_ratio``.
@@ -137,13 +140,17 @@ class _LevelCollector:
         seconds = CounterMetricFamily(PREFIX + "device_busy_seconds", "Seconds spent in forwards",
                                       labels=labels)
         forwards = CounterMetricFamily(PREFIX + "forwards", "Forwards completed", labels=labels)
+        caps = GaugeMetricFamily(PREFIX + "batch_token_cap", "The adaptive batch cap: most tokens "
+                                 "in one forward (0: each request alone)", labels=[*labels, "modality"])
         for state in engine.worker_states():
             key = [str(state.index), state.device]
             up.add_metric(key, float(state.state == "alive"))
             busy.add_metric(key, state.busy_fraction)
             seconds.add_metric(key, state.busy_seconds)
             forwards.add_metric(key, state.forwards)
-        yield from (up, busy, seconds, forwards)
+            for modality, learned in state.batch_learning.items():
+                caps.add_metric([*key, modality], learned.cap_tokens)
+        yield from (up, busy, seconds, forwards, caps)
 
 
 def _cache(c: Any) -> Iterator[Metric]:

@@ -39,6 +39,7 @@ from epd_trio.engine import Engine, ModelInfo
 from epd_trio.errors import (
     AbortedError,
     DeadlineExceeded,
+    DrainingError,
     EncodeError,
     EPDError,
     NotReadyError,
@@ -92,7 +93,8 @@ class EncoderService:
         self.health = HealthMonitor(engine, nursery, timeout=config.health_timeout,
                                     fresh=config.health_fresh)
         self._nursery = nursery
-        self.draining = False
+        self.draining = False  # health checks (readiness) fail from the start of a shutdown
+        self.admitting = True  # new requests are taken until the drain itself starts
         self.drain_started = trio.Event()  # faces that push status (gRPC health Watch) wait on it
         self.metrics = ServiceMetrics(self)
         self.profiler = Profiler(config.profile_dir, nursery)
@@ -122,8 +124,8 @@ class EncoderService:
         ``AbortedError``.
         """
         try:
-            if self.draining:
-                raise NotReadyError("the encoder is draining and accepts no new requests")
+            if not self.admitting:
+                raise DrainingError("the encoder is draining and accepts no new requests")
             if delivery is None:
                 delivery = self.delivery_for(request)
             ours = trio.current_time() + self.config.request_timeout
@@ -245,10 +247,17 @@ class EncoderService:
                 log.exception("telling %s of its failure failed unexpectedly", scope.request.req_id)
 
     # ---- lifecycle and observability ---------------------------------------
-    async def drain(self) -> None:
-        """Stop admitting, give live requests ``drain_timeout`` to finish, cancel the rest."""
+    def begin_shutdown(self) -> None:
+        """Say "draining" to every health check from now on, so that a readiness probe or a
+        registry's health loop takes this encoder out of rotation at once, while requests
+        still arriving (from clients yet to hear of it) are admitted until ``drain``."""
         self.draining = True
         self.drain_started.set()
+
+    async def drain(self) -> None:
+        """Stop admitting, give live requests ``drain_timeout`` to finish, cancel the rest."""
+        self.begin_shutdown()
+        self.admitting = False
         with trio.move_on_after(self.config.drain_timeout):
             await self.registry.wait_idle()
         self.registry.cancel_all(NotReadyError("the encoder is shutting down"))

@@ -5,8 +5,9 @@ to an encoder instance's ``POST /v1/chat/completions`` and waits for 200
 before it forwards the original request to a prefill/decode instance started
 with ``--ec-transfer-config`` (``ec_role: ec_consumer``). This face is such an
 instance: it writes each item's embedding where that consumer's EC connector
-looks for it (``delivery.vllm_storage``), under the item's ``mm_hash``, and
-answers as vLLM's producer does (a chat completion with
+looks for it (``delivery.vllm_storage``), or pushes it into the memory of the
+consumer the request names (``delivery.vllm_mooncake``), under the item's
+``mm_hash``, and answers as vLLM's producer does (a chat completion with
 ``ec_transfer_params``).
 
 Routes: ``POST /v1/chat/completions`` (``x-request-id`` honoured and echoed),
@@ -101,9 +102,12 @@ def create_vllm_app(service: EncoderService) -> QuartTrio:
 
     model_id = vllm_model_id(service)
     served = config.served_model_name or model_id
-    log.info("vLLM face: mm_hash model id %r (must equal the consumer's --model), served as %r, "
-             "shared storage %s", model_id, served, config.vllm_storage_path)
-    _chat_route(app, service, VllmItems(service, model_id, config.mm_hasher_algorithm), served)
+    ec = config.vllm_ec
+    push = ec is not None and ec.storage_path is None
+    log.info("vLLM face: mm_hash model id %r (must equal the consumer's --model), served as %r, %s",
+             model_id, served, f"{ec.connector} ({ec.mooncake_protocol})" if ec is not None and push
+             else f"shared storage {config.vllm_storage_path}")
+    _chat_route(app, service, VllmItems(service, model_id, config.mm_hasher_algorithm, push=push), served)
     _operation_routes(app, service, served, model_id)
     add_shared_routes(app, service)
     install_error_handlers(app, "vLLM-face", respond=error_response)
@@ -132,7 +136,7 @@ def _chat_route(app: QuartTrio, service: EncoderService, items: VllmItems, serve
             done = await items.encode(chat)
         except EPDError as exc:
             return error_response(exc, chat.request_id)
-        params = ec_transfer_params(chat.items, done.hashes, done.metas)
+        params = ec_transfer_params(chat.items, done.hashes, done.metas, done.transfer_ids)
         tokens = sum(meta.tokens for meta in done.metas.values())
         return _with_id(json_response(chat_completion(chat.request_id, served, tokens, params)),
                         chat.request_id)

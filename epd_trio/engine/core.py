@@ -45,6 +45,7 @@ from epd_trio.model.loader import LoadedEncoder, load_encoders
 from epd_trio.model.media import MediaLimits, MediaLoader, media_http_client
 from epd_trio.model.preprocess import EncoderPreprocessor, preprocess_device
 from epd_trio.model.tiny import ensure_default_model
+from epd_trio.scheduling.batch_cap import BatchCapSettings
 from epd_trio.scheduling.dispatch import Admission, Dispatcher, WorkerState
 from epd_trio.scheduling.lane import open_thread_lane
 from epd_trio.scheduling.policy import BatchPolicy
@@ -114,6 +115,8 @@ class EngineStatistics:
     workers: int = 1
     workers_alive: int = 1
     cache: CacheStatistics | None = None  # None without ``cache_mb``
+    # The adaptive cap per device (one entry per worker): modality → most tokens per forward.
+    batch_token_caps: tuple[dict[str, int], ...] = ()
 
 
 def normalize_modality(modality: str) -> str:
@@ -153,9 +156,10 @@ class Engine:
         worker_class = NullForwardWorker if config.null_forward else EncoderWorker
         self.workers = tuple(worker_class(e, compile=config.compile, threads=self.thread_budget.forward)
                              for e in (encoder, *replicas))
+        learning = BatchCapSettings() if config.adaptive_batch else None
         self.schedulers = tuple(
             Scheduler(self.cpu.timed("forward", w.forward), policy, max_pending=config.max_pending, admission=admission,
-                      index=i, observers=self.observers)
+                      index=i, observers=self.observers, batch_learning=learning)
             for i, w in enumerate(self.workers))
         self.dispatcher = Dispatcher(self.workers, self.schedulers)
         self.cache = EmbeddingCache(config.cache_mb << 20) if config.cache_mb else None
@@ -302,6 +306,7 @@ class Engine:
             requests_redispatched=sum(s.redispatched for s in stats),
             workers=len(stats), workers_alive=sum(not s.dead for s in stats),
             cache=self.cache.statistics() if self.cache is not None else None,
+            batch_token_caps=tuple(s.batch_token_caps for s in stats),
         )
 
     def __repr__(self) -> str:

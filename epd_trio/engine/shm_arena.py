@@ -3,8 +3,7 @@
 A fresh segment per result costs more than the preprocessing it carries: the
 child faults in every page of a new segment as it writes, the parent faults
 them in again as it maps them, and both walk ``shm_open``/``ftruncate``/
-``mmap``/``unlink`` (measured in the README, *Preprocessing: threads against
-processes*). So the parent owns a few segments, *slots* (the pool makes two per
+``mmap``/``unlink`` (measured: ``tools/bench_preprocess.py``'s CPU per image). So the parent owns a few segments, *slots* (the pool makes two per
 worker), and hands a free one to each call; a child keeps each slot it was given
 mapped between calls and writes into
 pages that are already resident, and the parent reads from its own standing

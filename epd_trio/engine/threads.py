@@ -4,8 +4,8 @@ On a CPU device the forward and preprocessing share the same cores. Left
 alone, every thread that calls torch starts its own OpenMP team of
 ``torch.get_num_threads()`` (all cores): with two preprocessing workers and a
 forward, three teams fight over the cores, and a forward's parallel regions
-wait at their barriers for threads the OS has parked (issue 17 measured each
-forward ~10 % slower than alone on 2 cores). So the budget is explicit:
+wait at their barriers for threads the OS has parked (measured: each forward
+~10 % slower than alone on 2 cores). So the budget is explicit:
 
 * each **forward** on a CPU device runs with ``cpu_threads`` intra-op threads
   (0: the cores this process may use, shared evenly among the CPU workers);
@@ -22,7 +22,7 @@ threads that have not used torch yet, so a preprocessing job puts the
 thread's previous count back when it ends (threads the host application
 starts later are not left at 1). The OpenMP *waiting* policy cannot be
 changed once torch is loaded: set ``OMP_WAIT_POLICY=PASSIVE`` in the
-environment (README, "Threads").
+environment (docs/deployment.md, "Threads").
 """
 
 from __future__ import annotations

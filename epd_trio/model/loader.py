@@ -27,6 +27,7 @@ from typing import Any
 
 import trio
 
+from epd_trio.config import DTYPES
 from epd_trio.errors import ModelLoadError
 from epd_trio.model.adapters import ModelAdapter, adapter_for
 from epd_trio.model.tiny import is_tiny_model
@@ -38,7 +39,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 

@@ -36,7 +36,7 @@ class _HostMemory:
     around its dispatch, and on a thread that must then wait for another thread
     running Python (a preprocessing worker, the device thread) to give it back,
     one op cost ~200 us of CPU and ~5-8 ms of wall time (measured on the trio
-    thread beside a busy thread; README, *Capacity*). ``data_ptr`` and ``nbytes``
+    thread beside a busy thread). ``data_ptr`` and ``nbytes``
     keep the GIL, so this view costs ~2 us either way.
     """
 

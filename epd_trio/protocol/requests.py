@@ -47,7 +47,8 @@ _IPC: Final = re.compile(r"ipc://([^\x00]+)")
 _MAX_IPC_PATH: Final = 107  # sun_path is 108 bytes with its NUL
 
 # The native body names the first three; the SGLang and vLLM faces build the others.
-Backend = Literal["inline", "zmq", "mooncake", "sglang_zmq", "sglang_mooncake", "vllm_storage"]
+Backend = Literal["inline", "zmq", "mooncake", "sglang_zmq", "sglang_mooncake", "vllm_storage",
+                  "vllm_mooncake"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class Delivery:
     backend: Backend = "inline"
     endpoints: tuple[str, ...] = ()
     receive_count: int = 1
+    transfer_ids: tuple[str, ...] = ()  # vllm_mooncake: per item, the id its consumer knows it by
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,16 @@ request is taken too, its text ignored). Media parts: ``image_url``,
 is the ``x-request-id`` header, else the body's ``request_id``, else a new one.
 Per-request processor options (``mm_processor_kwargs``, ``media_io_kwargs``)
 and streaming are refused: this encoder would not apply them the way vLLM
-does, and they change the items' ``mm_hash``.
+does, and they change the items' ``mm_hash``. For vLLM's Mooncake connector,
+``ec_transfer_params`` names the consumer (``consumer_zmq``, its control
+address) and each item's ``transfer_id`` (``ec_items``, as vLLM's producer
+matches them: by position, else by ``mm_hash``, else ``{request_id}:{index}``).
 
 Out: a chat completion object carrying ``ec_transfer_params`` — per
-``mm_hash``, the request's item indices and the placeholder metadata vLLM's
+``mm_hash``, the request's item indices, the placeholder metadata vLLM's
 producer publishes for the model family (``image_grid_thw``,
-``video_grid_thw``, ``audio_num_tokens``) — and errors in OpenAI's shape.
+``video_grid_thw``, ``audio_num_tokens``) and the ``transfer_id`` the request
+named — and errors in OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -29,21 +33,23 @@ from urllib.parse import unquote, urlsplit
 
 from epd_trio.errors import RequestError, error_body, http_status
 from epd_trio.protocol.messages import MAX_REQ_ID
-from epd_trio.protocol.requests import Delivery, EncodeMeta, EncodeRequest
+from epd_trio.protocol.requests import Delivery, EncodeMeta, EncodeRequest, validate_endpoint
 
 __all__ = [
     "DELIVERIES",
     "MEDIA_PART_TYPES",
     "ChatItem",
     "ChatRequest",
+    "EcParams",
     "ec_transfer_params",
     "chat_completion",
+    "item_request",
     "openai_error",
     "parse_chat_request",
-    "storage_request",
+    "transfer_ids",
 ]
 
-DELIVERIES: Final = ("vllm_storage",)  # the deliveries this face's requests name
+DELIVERIES: Final = ("vllm_storage", "vllm_mooncake")  # the deliveries this face's requests name
 _PARTS: Final = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
 # Every content part type an encoder instance encodes, and its modality.
 MEDIA_PART_TYPES: Final = MappingProxyType({**_PARTS, "input_audio": "audio"})
@@ -64,10 +70,19 @@ class ChatItem:
 
 
 @dataclass(frozen=True)
+class EcParams:
+    """What a request's ``ec_transfer_params`` tells a Mooncake producer."""
+
+    consumer_zmq: str | None = None  # the consumer's control address, tcp://host:port
+    items: tuple[tuple[str | None, str], ...] = ()  # ec_items: (mm_hash or None, transfer_id)
+
+
+@dataclass(frozen=True)
 class ChatRequest:
     request_id: str
     model: str | None
     items: tuple[ChatItem, ...]
+    ec: EcParams = EcParams()
 
     def by_modality(self) -> dict[str, list[ChatItem]]:
         """The items grouped by modality, each group in request order."""
@@ -165,14 +180,54 @@ def parse_chat_request(body: dict[str, Any], *, header_request_id: str | None,
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError("'model' must be a string")
-    return ChatRequest(_request_id(header_request_id, body), model, tuple(_items(body.get("messages"), max_items)))
+    items = tuple(_items(body.get("messages"), max_items))
+    return ChatRequest(_request_id(header_request_id, body), model, items,
+                       _ec_params(body.get("ec_transfer_params"), max_items))
 
 
-def storage_request(request_id: str, modality: str, items: list[Any], hashes: list[str],
-                    part_idx: int, num_parts: int) -> EncodeRequest:
-    """One modality's items of a chat request, for vLLM's shared storage under ``hashes``."""
+def _ec_params(value: Any, max_items: int) -> EcParams:
+    if value is None:
+        return EcParams()
+    if not isinstance(value, dict):
+        raise RequestError("'ec_transfer_params' must be an object")
+    consumer = value.get("consumer_zmq")
+    if consumer is not None and (not isinstance(consumer, str) or not consumer.startswith("tcp://")):
+        raise RequestError("'ec_transfer_params.consumer_zmq' must be the consumer's tcp://host:port")
+    entries = value.get("ec_items") or []
+    if not isinstance(entries, list) or len(entries) > max_items:
+        raise RequestError(f"'ec_transfer_params.ec_items' must be a list of at most {max_items} objects")
+    items = []
+    for entry in entries:
+        mm_hash, tid = (entry.get("mm_hash"), entry.get("transfer_id")) if isinstance(entry, dict) \
+            else (None, None)
+        if not isinstance(tid, str) or not 0 < len(tid) <= _MAX_UUID or \
+                (mm_hash is not None and not isinstance(mm_hash, str)):
+            raise RequestError("every 'ec_transfer_params.ec_items' entry needs a transfer_id (a string "
+                               f"of 1..{_MAX_UUID} characters) and may name a string mm_hash")
+        items.append((mm_hash, tid))
+    return EcParams(None if consumer is None else validate_endpoint(consumer), tuple(items))
+
+
+def transfer_ids(chat: ChatRequest, hashes: Sequence[str]) -> list[tuple[str, bool]]:
+    """Per item, its transfer_id and whether the request named it, as vLLM's producer finds it:
+    the ``ec_items`` entry at its position unless that names another ``mm_hash``, else the
+    first entry naming its ``mm_hash``, else ``{request_id}:{index}``."""
+    named = chat.ec.items
+    found: list[tuple[str, bool]] = []
+    for index, mm_hash in enumerate(hashes):
+        if index < len(named) and named[index][0] in (None, mm_hash):
+            found.append((named[index][1], True))
+            continue
+        by_hash = next((tid for h, tid in named if h == mm_hash), None)
+        found.append((by_hash, True) if by_hash is not None else (f"{chat.request_id}:{index}", False))
+    return found
+
+
+def item_request(request_id: str, modality: str, items: list[Any], hashes: list[str],
+                 part_idx: int, num_parts: int, deliver: Delivery) -> EncodeRequest:
+    """One modality's items of a chat request, named ``hashes``, for a vLLM delivery."""
     return EncodeRequest(req_id=request_id, modality=modality, mm_items=items, num_parts=num_parts,
-                         part_idx=part_idx, hashes=hashes, deliver=Delivery(DELIVERIES[0]))
+                         part_idx=part_idx, hashes=hashes, deliver=deliver)
 
 
 def _family_metadata(modality: str, grid: Sequence[int] | None, tokens: int) -> dict[str, Any]:
@@ -181,10 +236,11 @@ def _family_metadata(modality: str, grid: Sequence[int] | None, tokens: int) -> 
     return {_METADATA[modality]: [int(g) for g in grid]} if grid else {}
 
 
-def ec_transfer_params(items: Sequence[ChatItem], hashes: Sequence[str],
-                       metas: Mapping[str, EncodeMeta]) -> dict[str, Any]:
-    """Per ``mm_hash``: the request's indices of that item and its placeholder metadata,
-    as vLLM's producer reports them (``collect_ec_item_metadata``)."""
+def ec_transfer_params(items: Sequence[ChatItem], hashes: Sequence[str], metas: Mapping[str, EncodeMeta],
+                       named: Sequence[tuple[str, bool]] = ()) -> dict[str, Any]:
+    """Per ``mm_hash``: the request's indices of that item, its placeholder metadata and the
+    ``transfer_id`` the request named for it, as vLLM's producer reports them
+    (``collect_ec_item_metadata``; ``named`` from ``transfer_ids``, for Mooncake)."""
     position = {m: 0 for m in metas}
     params: dict[str, Any] = {}
     for item, mm_hash in zip(items, hashes, strict=True):
@@ -194,6 +250,9 @@ def ec_transfer_params(items: Sequence[ChatItem], hashes: Sequence[str],
         entry = params.setdefault(mm_hash, {"item_indices": []})
         entry["metadata"] = _family_metadata(item.modality, grid, meta.token_counts[k])
         entry["item_indices"].append(item.index)
+    for (tid, was_named), mm_hash in zip(named, hashes):
+        if was_named:
+            params[mm_hash]["transfer_id"] = tid
     return params
 
 

@@ -19,13 +19,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from epd_trio.errors import OverloadedError, WorkerDeadError
 from epd_trio.model.adapters import PreprocessResult
 
 if TYPE_CHECKING:
+    from epd_trio.scheduling.batch_cap import BatchCapStatistics
     from epd_trio.scheduling.scheduler import Scheduler
     from epd_trio.scheduling.worker import EncoderWorker
 
@@ -96,6 +97,8 @@ class WorkerState:
     requests_done: int
     requests_failed: int
     redispatched: int  # queued requests moved to another device when it died
+    # The adaptive cap's measurements per modality (empty when adaptation is off).
+    batch_learning: dict[str, BatchCapStatistics] = field(default_factory=dict)
 
 
 class Dispatcher:
@@ -146,5 +149,6 @@ class Dispatcher:
                 error=scheduler.dead, pending=scheduler.pending, queued=s.queued, running=s.running,
                 forwards=w.forwards, items=w.items, busy_seconds=w.busy_seconds,
                 busy_fraction=worker.busy_fraction(), requests_done=s.requests_done,
-                requests_failed=s.requests_failed, redispatched=s.redispatched))
+                requests_failed=s.requests_failed, redispatched=s.redispatched,
+                batch_learning=scheduler.batch_learning()))
         return out

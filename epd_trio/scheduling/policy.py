@@ -9,12 +9,18 @@ Rules (DESIGN §4): take the oldest request; then, in arrival order, up to
 large request cannot starve). Modalities in ``solo_modalities`` (video: its
 processor arguments differ per request) always run alone. With a
 ``coalesce_delay``, a batch that is not full waits until its oldest request has
-been queued that long, to gather more company.
+been queued that long, to gather more company; a batch is full when the count
+is reached or another request the size of the oldest would not fit its tokens.
+
+``token_caps`` (modality → tokens) lowers the token budget of a modality's
+batches below ``max_batch_tokens``: that is where the adaptive cap
+(``batch_cap``), learned per device and modality, applies. Being a token
+budget, it keeps the budget's guarantees: the oldest request always runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["Batch", "BatchPolicy", "QueuedRequest", "Wait", "next_batch"]
@@ -59,21 +65,26 @@ class Wait:
 
 
 def next_batch(
-    queue: Sequence[QueuedRequest], now: float, policy: BatchPolicy
+    queue: Sequence[QueuedRequest], now: float, policy: BatchPolicy,
+    token_caps: Mapping[str, int] | None = None,
 ) -> Batch | Wait | None:
     """Decide what to run next; ``None`` when the queue is empty."""
     if not queue:
         return None
     oldest = queue[0]
+    budget = policy.max_batch_tokens
+    if token_caps and oldest.modality in token_caps:
+        budget = min(budget, token_caps[oldest.modality])
     chosen, tokens = [oldest.key], oldest.tokens
     if oldest.modality not in policy.solo_modalities:
         for req in queue[1:]:
             if len(chosen) == policy.max_batch_size:
                 break
-            if req.modality == oldest.modality and tokens + req.tokens <= policy.max_batch_tokens:
+            if req.modality == oldest.modality and tokens + req.tokens <= budget:
                 chosen.append(req.key)
                 tokens += req.tokens
-    full = len(chosen) == policy.max_batch_size or oldest.modality in policy.solo_modalities
+    full = (len(chosen) == policy.max_batch_size or oldest.modality in policy.solo_modalities
+            or tokens + oldest.tokens > budget)
     ready_at = oldest.enqueued_at + policy.coalesce_delay
     if not full and now < ready_at:
         return Wait(until=ready_at)

@@ -19,6 +19,10 @@ A forward that fails with a *device* error (``is_device_error``) kills the
 scheduler: the running batch fails with ``WorkerDeadError``, the jobs still
 queued get ``JobNotRun`` (the dispatcher runs them on another device), later
 submits get ``JobNotRun`` at once, and the loop ends.
+
+With ``batch_learning`` (the engine's default), each modality that batches has
+a ``BatchCapLearner``: every successful forward's time is reported to it, and
+its token cap is handed to the policy with the queue (``batch_cap``).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import trio
 
 from epd_trio.errors import EncodeError, EPDError, NotReadyError, OverloadedError, WorkerDeadError
 from epd_trio.model.adapters import PreprocessResult
+from epd_trio.scheduling.batch_cap import BatchCapLearner, BatchCapSettings, BatchCapStatistics
 from epd_trio.scheduling.dispatch import Admission, JobNotRun
 from epd_trio.scheduling.policy import Batch, BatchPolicy, QueuedRequest, Wait, next_batch
 from epd_trio.scheduling.failures import is_device_error, is_device_out_of_memory
@@ -91,6 +96,8 @@ class SchedulerStatistics:
     batches_retried: int
     redispatched: int = 0  # queued jobs handed back (JobNotRun) when the device died
     dead: bool = False
+    # The adaptive cap, per modality that has batched: most tokens per forward (0: one request).
+    batch_token_caps: dict[str, int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -104,6 +111,7 @@ class Scheduler:
         self, forward: Forward, policy: BatchPolicy, *, max_pending: int = 256,
         device_limiter: trio.CapacityLimiter | None = None, admission: Admission | None = None,
         index: int = 0, observers: list[Observer] | None = None,
+        batch_learning: BatchCapSettings | None = None,
     ) -> None:
         if max_pending < 1:
             raise ValueError("max_pending must be at least 1")
@@ -125,6 +133,8 @@ class Scheduler:
         self._running = 0
         self._done = self._failed = self._dropped = self._batches = self._retried = 0
         self._redispatched = 0
+        self._learning = batch_learning  # None: batches fill to the policy's ceilings
+        self._learners: dict[str, BatchCapLearner] = {}
         # How a forward reaches the device's thread: the engine gives its device's thread lane.
         self.run_sync: RunSync = functools.partial(trio.to_thread.run_sync, limiter=self._limiter)
 
@@ -167,7 +177,12 @@ class Scheduler:
             requests_dropped=self._dropped, batches_run=self._batches,
             batches_retried=self._retried, redispatched=self._redispatched,
             dead=self.dead is not None,
+            batch_token_caps={m: learner.statistics().cap_tokens for m, learner in self._learners.items()},
         )
+
+    def batch_learning(self) -> dict[str, BatchCapStatistics]:
+        """What each modality's adaptive cap has measured (empty when adaptation is off)."""
+        return {m: learner.statistics() for m, learner in self._learners.items()}
 
     def __repr__(self) -> str:
         s = self.statistics()
@@ -190,12 +205,26 @@ class Scheduler:
         if not self._queue:
             self._enqueue(await self._recv.receive())
         self._drain_channel()
-        decision = next_batch([j.view() for j in self._queue.values()], trio.current_time(), self.policy)
+        queue = [j.view() for j in self._queue.values()]
+        decision = next_batch(queue, trio.current_time(), self.policy, self._token_caps(queue))
         if isinstance(decision, Wait):
             with trio.move_on_at(decision.until):
                 self._enqueue(await self._recv.receive())
             return None
         return decision
+
+    def _token_caps(self, queue: list[QueuedRequest]) -> dict[str, int]:
+        if queue:
+            self._learner(queue[0].modality)  # in place before its modality's first batch
+        return {m: learner.limit for m, learner in self._learners.items()}
+
+    def _learner(self, modality: str) -> BatchCapLearner | None:
+        """The modality's learner; None when adaptation is off or the modality runs alone."""
+        if self._learning is None or modality in self.policy.solo_modalities:
+            return None
+        if modality not in self._learners:
+            self._learners[modality] = BatchCapLearner(self.policy.max_batch_tokens, self._learning)
+        return self._learners[modality]
 
     def _enqueue(self, job: Job) -> None:
         self._queue[job.key] = job
@@ -228,6 +257,8 @@ class Scheduler:
                 self._deliver(live[0], outcome.Error(_as_encode_error(exc)))
             else:
                 log.warning("batch of %d failed (%r); retrying one request at a time", len(live), exc)
+                if is_device_out_of_memory(exc) and (learner := self._learner(live[0].payload.modality)):
+                    learner.out_of_memory(sum(j.payload.tokens for j in live))
                 self._retried += 1
                 await self._run_singly(live)
         else:
@@ -265,6 +296,8 @@ class Scheduler:
             self._observe("batch", self.index, len(jobs), sum(p.tokens for p in payloads))
         if len(outputs) != len(jobs):  # a replaced forward's bug: the batch fails, the loop stays
             raise EncodeError(f"the forward returned {len(outputs)} outputs for {len(jobs)} requests")
+        if learner := self._learner(payloads[0].modality):
+            learner.observe(len(payloads), sum(p.tokens for p in payloads), trio.current_time() - started)
         return outputs
 
     def _observe(self, what: str, *args: Any) -> None:

@@ -276,6 +276,14 @@ class MooncakeTransport:
                 self._deferred.discard(job.region)
                 await self._unregister(job.region)
 
+    def in_use(self, registration: Registration) -> bool:
+        """Whether a write that outlived its caller still reads this region.
+
+        Its bytes may then still land in the peer's buffer: a caller must not
+        tell that peer to reuse the buffer.
+        """
+        return registration.address in self._held
+
     def _region_of(self, address: int) -> int:
         for start, size in self._regions.items():
             if start <= address < start + size:

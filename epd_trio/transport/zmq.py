@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 TERM_GRACE = 2.0  # seconds past the linger that closing waits for libzmq to let go
 # Bytes per PUSH socket that a send may leave unreleased and return (``ReleaseLedger``):
 # messages of up to a few MiB (one image's embedding) then cost no completion poll. Kept after
-# measuring (README, Transfers): watching every send cost a 1 MiB message ~40 % more Python
+# measuring (tools/bench_transfer.py): watching every send cost a 1 MiB message ~40 % more Python
 # calls and ~15 % more time (interleaved, loaded 2 cores); from 16 MiB up every send is watched
 # anyway. 8 MiB lets two 1-4 MiB messages per destination be in flight; a stuck receiver
 # still makes sends wait and time out once its socket holds that much.
@@ -63,6 +63,21 @@ async def terminate(ctx: zmq.Context[zmq.Socket[bytes]], linger_ms: int) -> None
     if scope.cancelled_caught:
         logger.warning("a ZMQ context still had unsent messages %g s after closing: left to "
                        "finish alone", bound)
+
+def connect(ctx: zmq.Context[zmq.Socket[bytes]], kind: int, options: Mapping[zmq.SocketOption, int],
+            endpoint: str) -> zmq.Socket[bytes]:
+    """A new socket of ``kind`` with ``options``, connected to ``endpoint``; a ``RequestError``
+    (the endpoint came with a request) when libzmq refuses it."""
+    sock = ctx.socket(kind)
+    try:
+        for option, value in options.items():
+            sock.setsockopt(option, value)
+        sock.connect(endpoint)
+    except zmq.ZMQError as exc:
+        sock.close(linger=0)
+        raise RequestError(f"cannot connect to {endpoint}: {exc}") from None
+    return sock
+
 
 def expired_endpoints(last_used: Mapping[str, float], now: float, idle_close: float) -> list[str]:
     """Idle sockets whose time is up (pure: the caller supplies ``now``)."""
@@ -118,7 +133,8 @@ class PushSocketCache:
             raise ValueError("max_sockets must be >= 1, idle_close > 0 and release_budget >= 0")
         self._release_budget = release_budget
         self._max, self._idle_close = max_sockets, idle_close
-        self._options = {zmq.IMMEDIATE: 1, zmq.LINGER: linger_ms, zmq.SNDHWM: sndhwm}
+        # IPV6: a destination may be an IPv6 endpoint (IPv4 ones connect as before).
+        self._options = {zmq.IMMEDIATE: 1, zmq.LINGER: linger_ms, zmq.SNDHWM: sndhwm, zmq.IPV6: 1}
         self._linger_ms = linger_ms
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._counts = dict(sends=0, send_timeouts=0, idle_closed=0, evicted=0)
@@ -190,15 +206,7 @@ class PushSocketCache:
         return entry
 
     def _connect(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> TrioSocket:
-        sock = ctx.socket(zmq.PUSH)
-        try:
-            for option, value in self._options.items():
-                sock.setsockopt(option, value)
-            sock.connect(endpoint)
-        except zmq.ZMQError as exc:
-            sock.close(linger=0)
-            raise RequestError(f"cannot connect to {endpoint}: {exc}") from None
-        return TrioSocket(sock, release_budget=self._release_budget)
+        return TrioSocket(connect(ctx, zmq.PUSH, self._options, endpoint), release_budget=self._release_budget)
 
     def _evict_for_one_more(self) -> None:
         """Close least-recently-used idle sockets; busy ones (sending, or with messages
@@ -242,21 +250,25 @@ class PullReceiver:
     """A bound PULL socket yielding decoded messages; malformed ones are dropped.
 
     A peer's garbage must never crash the receiving task: it is counted in
-    ``statistics()`` and logged instead.
+    ``statistics()`` and logged instead. ``bind=None`` opens it unbound: ``bind()``
+    adds endpoints while it runs (one socket may listen on several addresses).
     """
 
     def __init__(
         self,
-        bind: str = "tcp://127.0.0.1:0",
+        bind: str | None = "tcp://127.0.0.1:0",
         *,
         rcvhwm: int = 64,
         max_message_bytes: int = 1 << 31,  # libzmq drops a peer that sends more
     ) -> None:
-        self._bind = validate_endpoint(bind, bind=True)
-        self._options = {zmq.RCVHWM: rcvhwm, zmq.MAXMSGSIZE: max_message_bytes, zmq.LINGER: 0}
+        self._bind = None if bind is None else validate_endpoint(bind, bind=True)
+        # IPV6: an IPv6 address may be bound beside IPv4 ones ("[::]" takes both).
+        self._options = {zmq.RCVHWM: rcvhwm, zmq.MAXMSGSIZE: max_message_bytes, zmq.LINGER: 0,
+                         zmq.IPV6: 1}
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sock: TrioSocket | None = None
         self.last_endpoint = ""
+        self.endpoints: list[str] = []  # every endpoint bound, in order
         self._received = self._dropped = 0
         self._last_drop: str | None = None
 
@@ -266,14 +278,35 @@ class PullReceiver:
         try:
             for option, value in self._options.items():
                 sock.setsockopt(option, value)
-            sock.bind(self._bind)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
             await self.aclose()
-            raise TransportError(f"cannot bind {self._bind}: {exc}") from None
+            raise TransportError(f"cannot set up a PULL socket: {exc}") from None
         self._sock = TrioSocket(sock)
-        self.last_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self._bind is not None:
+            try:
+                self.bind(self._bind)
+            except TransportError:
+                await self.aclose()
+                raise
         return self
+
+    def bind(self, endpoint: str) -> str:
+        """Listen on ``endpoint`` too (port 0 picks a free one) → the endpoint as bound."""
+        if self._sock is None:
+            raise trio.ClosedResourceError("PullReceiver is not open")
+        endpoint = validate_endpoint(endpoint, bind=True)
+        try:
+            self._sock.socket.bind(endpoint)
+        except zmq.ZMQError as exc:
+            raise TransportError(f"cannot bind {endpoint}: {exc}") from None
+        bound = self._sock.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        if endpoint.startswith("tcp://"):  # as asked, with the port bound: libzmq would name an
+            # IPv4 address as IPv4-mapped IPv6 ("[::ffff:127.0.0.1]"), which IPv4 peers cannot dial
+            bound = f"{endpoint.rsplit(':', 1)[0]}:{bound.rsplit(':', 1)[1]}"
+        self.last_endpoint = bound
+        self.endpoints.append(bound)
+        return bound
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()

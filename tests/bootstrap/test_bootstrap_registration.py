@@ -201,16 +201,3 @@ async def test_no_registries_is_a_no_op(autojump_clock: trio.abc.Clock) -> None:
 def test_heartbeat_interval_must_be_positive() -> None:
     with pytest.raises(ValueError, match="heartbeat_interval"):
         Registration(None, ["http://r:1"], ME, heartbeat_interval=0.0)
-
-
-def test_advertised_url_defaults_to_the_bound_url_and_replaces_a_wildcard_host() -> None:
-    import socket
-
-    from epd_trio.config import EncoderConfig
-    from epd_trio.encoder.server import advertised_url
-
-    assert advertised_url(EncoderConfig(port=0), "http://127.0.0.1:4321") == "http://127.0.0.1:4321"
-    wildcard = EncoderConfig(host="0.0.0.0", port=0, register_url=("http://reg:8997",))
-    assert advertised_url(wildcard, "http://0.0.0.0:4321") == f"http://{socket.gethostname().lower()}:4321"
-    explicit = EncoderConfig(port=0, advertise_url="http://Encoder-3.internal:80/")
-    assert advertised_url(explicit, "http://0.0.0.0:4321") == "http://encoder-3.internal:80"

@@ -242,13 +242,13 @@ async def test_encoder_registers_is_probed_and_unregisters_before_draining(
     monkeypatch.setattr(registration, "UNREGISTER_TIMEOUT", 30.0)
     config = BootstrapConfig(port=0, health_interval=0.1, health_timeout=5.0)
     async with registry(config) as (reg, _):
-        seen: list[tuple[str, bool]] = []
+        seen: list[tuple[str, bool, bool]] = []
         unregister = reg.registry.unregister
         async with encoder(register_url=(reg.url,), heartbeat_interval=0.2) as (server, _):
             assert server.advertise_url == server.url  # derived from the bound port-0 URL
 
             def spy(url: str) -> bool:
-                seen.append((url, server.service.draining))
+                seen.append((url, server.service.admitting, server.service.draining))
                 return unregister(url)
 
             reg.registry.unregister = spy  # type: ignore[method-assign]
@@ -257,7 +257,8 @@ async def test_encoder_registers_is_probed_and_unregisters_before_draining(
             await wait_until(lambda: reg.registry.get(server.url).last_ok is not None)  # type: ignore[union-attr]
             (link,) = server.registration.statistics().links  # type: ignore[union-attr]
             assert link.registered and link.registry_url == reg.url
-        assert seen == [(server.advertise_url, False)]  # unregistered while still admitting
+        # Unregistered while still admitting, health already saying "draining" (readiness fails).
+        assert seen == [(server.advertise_url, True, True)]
         assert reg.registry.urls() == []
 
 

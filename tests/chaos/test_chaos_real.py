@@ -1,4 +1,4 @@
-"""Seeded real-clock chaos over real Hypercorn + ZMQ (issue 4; kinds in ``real_scenarios``).
+"""Seeded real-clock chaos over real Hypercorn + ZMQ (kinds in ``real_scenarios``).
 
 One test runs every seed over shared servers, since starting them is most of
 the cost: two chaos encoders in process (``serve_encoder``, send timeout 1 s,

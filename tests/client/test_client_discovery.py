@@ -1,4 +1,4 @@
-"""The client follows a bootstrap registry's list, in the background."""
+"""The client follows a bootstrap registry's list and a DNS name's addresses, in the background."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import trio
 import trio.testing
 
 from epd_trio.client import open_encoder_client
+from epd_trio.client.discovery import Discovery, resolve_encoder_urls
 from epd_trio.config import ClientConfig
-from epd_trio.errors import PeerUnavailable
+from epd_trio.errors import PeerUnavailable, TransferTimeout
 
 
 class FakeRegistry:
@@ -78,3 +79,71 @@ async def test_an_answer_nested_past_the_parser_keeps_the_last_list(
         reg.body = b"[" * 200_000 + b"]" * 200_000
         await trio.sleep(5.5)  # one refresh: a failure, not the end of the client
         assert client.encoders == ("http://e1:1",) and client.statistics().refresh_failures == 1
+
+
+class FakeName:
+    """A DNS name's answers over time: a list of addresses, or an error to raise."""
+
+    def __init__(self, answer: list[str] | Exception) -> None:
+        self.answer, self.calls = answer, []
+
+    async def resolve(self, url: str, timeout: float) -> list[str]:
+        self.calls.append((trio.current_time(), url, timeout))
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return [f"http://{address}:8000" for address in self.answer]
+
+
+async def test_a_dns_name_is_followed_in_the_background_and_kept_through_failures(
+        autojump_clock: trio.testing.MockClock) -> None:
+    name = FakeName(["10.0.0.1", "10.0.0.2"])
+    lists: list[tuple[float, tuple[str, ...]]] = []
+    discovery = Discovery(["http://static:9"], None, interval=5.0, timeout=2.0, dns="http://enc.svc:8000",
+                          resolve=name.resolve, on_list=lambda urls: lists.append((trio.current_time(), urls)))
+    async with httpx.AsyncClient() as http, trio.open_nursery() as nursery:
+        await nursery.start(discovery.run, http)
+        name.answer = ["10.0.0.2", "10.0.0.3"]  # a pod replaced
+        await trio.sleep(5.5)
+        name.answer = PeerUnavailable("the resolver is down")
+        await trio.sleep(5.0)
+        name.answer = []  # the name is gone (NXDOMAIN): no encoder
+        await trio.sleep(5.0)
+        nursery.cancel_scope.cancel()
+    assert lists == [
+        (0.0, ("http://static:9", "http://10.0.0.1:8000", "http://10.0.0.2:8000")),
+        (5.0, ("http://static:9", "http://10.0.0.2:8000", "http://10.0.0.3:8000")),
+        (10.0, ("http://static:9", "http://10.0.0.2:8000", "http://10.0.0.3:8000")),  # kept
+        (15.0, ("http://static:9",)),
+    ]
+    assert [(t, url, timeout) for t, url, timeout in name.calls] == \
+        [(t, "http://enc.svc:8000", 2.0) for t in (0.0, 5.0, 10.0, 15.0)]  # no drift
+    s = discovery.statistics()
+    assert (s.bootstrap_url, s.dns, s.dns_refreshes, s.dns_failures, s.dns_found) == \
+        (None, "http://enc.svc:8000", 3, 1, 0)
+    assert repr(discovery) == "<Discovery http://enc.svc:8000: 0 found, 3 refreshes, 1 failed>"
+
+
+async def test_the_registry_and_a_dns_name_merge_and_fail_apart(
+        autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    name = FakeName(["10.0.0.1", "10.0.0.2"])
+    monkeypatch.setattr("epd_trio.client.discovery.resolve_encoder_urls", name.resolve)
+    reg = FakeRegistry(["http://10.0.0.2:8000", "http://e1:1"])  # one encoder found both ways
+    async with open_encoder_client(encoder_urls=["http://static:9"], bootstrap_url="http://reg:8997",
+                                   discovery_dns="http://enc.svc:8000", refresh_interval=5.0,
+                                   http_transport=httpx.MockTransport(reg.handler)) as client:
+        assert client.encoders == ("http://static:9", "http://10.0.0.2:8000", "http://e1:1",
+                                   "http://10.0.0.1:8000")
+        reg.down = True
+        name.answer = ["10.0.0.9"]
+        await trio.sleep(5.5)
+        assert client.encoders == ("http://static:9", "http://10.0.0.2:8000", "http://e1:1",
+                                   "http://10.0.0.9:8000")  # the registry's last list, the new name
+        name.answer = TransferTimeout("no answer")
+        await trio.sleep(5.0)
+        assert client.statistics().refresh_failures == 3  # two registry queries, one resolution
+    assert "enc.svc:8000: 1 found, 2 refreshes, 1 failed" in repr(client.discovery)
+
+
+async def test_resolving_a_name_gives_one_url_per_address() -> None:
+    assert await resolve_encoder_urls("http://localhost:8000", 5.0) == ["http://127.0.0.1:8000"]
+    assert await resolve_encoder_urls("grpc://[::1]:50051", 5.0) == ["grpc://[::1]:50051"]

@@ -23,6 +23,7 @@ from epd_trio.client.client import advertised_endpoint
 from epd_trio.errors import (
     AbortedError,
     DeadlineExceeded,
+    DrainingError,
     DuplicateRequestError,
     EncodeError,
     EPDError,
@@ -36,7 +37,8 @@ from epd_trio.errors import (
 from epd_trio.protocol import encode_zmq_message, header_for
 from epd_trio.transport import PushSocketCache
 
-E0, E1 = "http://enc0:8000", "http://enc1:8000"
+# Loopback addresses, so that finding the route to them asks no resolver.
+E0, E1 = "http://127.0.0.10:8000", "http://127.0.0.11:8000"
 KiB = 1024
 
 
@@ -89,7 +91,11 @@ async def test_five_images_over_two_encoders_are_stitched_in_order(make: Callabl
                     sorted(fakes.encode_calls, key=lambda c: c[1]["part_idx"])] == \
                 [(E0, 0, 2, 3), (E1, 1, 2, 2)]
             assert {b["req_id"] for _, b in fakes.encode_calls} == {rid}
-            assert {b["deliver"]["endpoint"] for _, b in fakes.encode_calls} == {client.endpoint}
+            # two loopback encoders: one automatic bind, on loopback, told to both
+            assert client.endpoint == ""  # no endpoint is configured
+            (bound,) = client.addresses.endpoints
+            assert bound.startswith("tcp://127.0.0.1:")
+            assert {b["deliver"]["endpoint"] for _, b in fakes.encode_calls} == {bound}
             assert [decode_item(i) for i in fakes.calls_to(E0)[0]["mm_items"]] == items[:3]
 
             image = result.embeddings["image"]
@@ -162,6 +168,26 @@ async def test_an_http_error_fails_the_request_and_aborts_the_other_part(make: C
         assert fakes.abort_calls == [(E0, {"req_id": "r-err", "part_idx": 0})]  # ... and aborted
         s = client.statistics()
         assert (s.requests_failed, s.aborts_sent, s.aborts_failed) == (1, 1, 0)
+        assert_clean(client)
+
+
+async def test_a_part_refused_by_a_draining_encoder_moves_to_another(make: Callable) -> None:
+    draining = Behaviour("error", DrainingError("the encoder is draining and accepts no new requests"))
+    fakes, client = make({E0: draining, E1: Behaviour()})
+    async with client:
+        items = images(3)
+        async with await client.encode({"image": items}) as result:
+            assert [p.encoder_url for p in result.parts] == [E1, E1]
+            assert torch.equal(result.embeddings["image"], expected(items, "image"))
+        assert fakes.abort_calls == []  # E0 took nothing: nothing to abort there
+        assert client.statistics().retries == 1
+        assert_clean(client)
+    # With no encoder left to move to, the refusal is the answer.
+    fakes, client = make({E0: draining, E1: draining})
+    async with client:
+        with pytest.raises(RemoteEncodeError) as info:
+            await client.encode({"image": images(2)})
+        assert (info.value.status_code, info.value.error_type) == (503, "DrainingError")
         assert_clean(client)
 
 
@@ -245,11 +271,12 @@ async def test_messages_for_no_live_part_are_dropped_and_counted(
         stale = fakes.sent[(rid, 0)]
         header = header_for(stale, req_id=rid, part_idx=0, num_parts=2, modality="image",
                             token_counts=[stale.shape[0]])
-        await push.send(client.endpoint, encode_zmq_message(header, stale), 5)  # a late duplicate
+        (endpoint,) = client.addresses.endpoints
+        await push.send(endpoint, encode_zmq_message(header, stale), 5)  # a late duplicate
         unknown = header_for(stale, req_id="nobody", part_idx=0, num_parts=1, modality="image",
                              token_counts=[stale.shape[0]])
-        await push.send(client.endpoint, encode_zmq_message(unknown, stale), 5)
-        await push.send(client.endpoint, [b"\x81\xa1v\x01"], 5)  # malformed header
+        await push.send(endpoint, encode_zmq_message(unknown, stale), 5)
+        await push.send(endpoint, [b"\x81\xa1v\x01"], 5)  # malformed header
         await wait_until(lambda: client.statistics().malformed_messages == 1)
         s = client.statistics()
         assert (s.messages_received, s.messages_dropped) == (4, 2)
@@ -442,7 +469,7 @@ async def test_statistics_repr_and_endpoint(make: Callable) -> None:
     with pytest.raises(RuntimeError, match="async with"):
         await client.encode({"image": images(1)})
     async with client:
-        assert client.endpoint.startswith("tcp://127.0.0.1:")
+        assert client.endpoint == "" and client.addresses.endpoints == ()  # bound on first need
         assert "2 encoders, 0 requests live" in repr(client)
         assert client.statistics().encoders == (E0, E1)
 

@@ -34,7 +34,7 @@ from epd_trio.model.samples import sample_tone, sample_video
 from epd_trio.protocol import EmbeddingHeader, header_to_map
 from epd_trio.transport import PullReceiver, PushSocketCache
 
-FAKE = "http://fake:8000"
+FAKE = "http://127.0.0.10:8000"  # loopback: finding the route to it asks no resolver
 REQ_ID, PART, PARTS = "contract", 1, 2
 CASES = {
     "image": ("qwen2_5_vl", [(png_bytes(56, 56, seed=1), "image/png"), (png_bytes(84, 56, seed=2), "image/png")]),

@@ -134,7 +134,7 @@ async def test_a_cancel_and_a_timeout_end_the_scopes_on_the_encoder(
     with socket_port() as port:
         async with encoders(qwen25_path, 1) as (server,), open_encoder_client(
                 encoder_urls=[grpc_url(server)], pool_bytes=1 << 20,
-                zmq_advertise=f"tcp://127.0.0.1:{port}") as client:
+                zmq_bind="tcp://127.0.0.1:0", zmq_advertise=f"tcp://127.0.0.1:{port}") as client:
             with pytest.raises(EncodeTimeout):
                 await client.encode({"image": IMAGES[:1]}, timeout=1.5)
             await wait_idle([server])

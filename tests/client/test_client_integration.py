@@ -102,6 +102,7 @@ async def test_a_timeout_aborts_the_parts_on_their_encoders(
     monkeypatch.setattr("epd_trio.encoder.service._ERROR_NOTICE_TIMEOUT", 0.1)
     async with encoders(qwen25_path, 2) as servers, \
             open_encoder_client(encoder_urls=[s.url for s in servers], pool_bytes=1 << 20,
+                                zmq_bind="tcp://127.0.0.1:0",
                                 zmq_advertise=f"tcp://127.0.0.1:{free_port()}") as client:
         with pytest.raises(EncodeTimeout):
             await client.encode({"image": [png_bytes(56, 56), png_bytes(56, 56, 1)]}, timeout=1.5)

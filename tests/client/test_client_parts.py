@@ -27,7 +27,8 @@ from epd_trio.errors import AbortedError, TransportError
 from epd_trio.testing import Fault, FaultPlan, InjectedFault, install_faults
 from epd_trio.transport import PushSocketCache
 
-E0, E1 = "http://enc0:8000", "http://enc1:8000"
+# Loopback addresses, so that finding the route to them asks no resolver.
+E0, E1 = "http://127.0.0.10:8000", "http://127.0.0.11:8000"
 
 
 @pytest.fixture

@@ -138,6 +138,24 @@ async def test_metrics_parse_and_move_as_requests_flow(encoder: Any) -> None:
     assert sample(after, "epd_encoder_live_requests") == sample(after, "epd_encoder_queue_depth") == 0
 
 
+async def test_the_adaptive_cap_shows_in_stats_and_metrics(encoder: Any) -> None:
+    for adaptive in (True, False):
+        async with encoder(adaptive_batch=adaptive) as (server, http):
+            for i in range(4):  # alone, one after another: the cap is measured after three
+                assert (await http.post("/encode", json=body(f"r{i}", png_bytes(56, 56, seed=i)))).status_code == 200
+            learning = (await stats(http))["workers"][0]["batch_learning"]
+            caps = server.service.engine.statistics().batch_token_caps
+            metrics = await scrape(http)
+        gauge = ("epd_encoder_batch_token_cap", (("device", "cpu"), ("modality", "image"), ("worker", "0")))
+        if not adaptive:
+            assert (learning, caps, gauge in metrics) == ({}, ({},), False)
+            continue
+        image = learning["image"]
+        assert image["forwards"] >= 4 and image["cap_tokens"] == 4  # 56 x 56: 4 tokens, bucket 4
+        assert image["probing"] == 8 and image["probes"] == 1  # two of them may share a forward now
+        assert caps == ({"image": 4},) and metrics[gauge] == 4
+
+
 async def test_two_services_keep_separate_registries(encoder: Any) -> None:
     async with encoder() as (_, one), encoder() as (_, two):
         await one.post("/encode", json=body("x", png_bytes(56, 56)))

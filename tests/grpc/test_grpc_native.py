@@ -316,7 +316,7 @@ async def test_model_info_equals_http(encoder_for: Any) -> None:
 
 
 async def test_reflection_lists_and_describes_the_service(encoder: Any) -> None:
-    """What ``grpcurl list`` and ``grpcurl describe epd_trio.v1.Encoder`` (README) ask for."""
+    """What ``grpcurl list`` and ``grpcurl describe epd_trio.v1.Encoder`` (docs/grpc.md) ask for."""
     from google.protobuf.descriptor_pool import DescriptorPool
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
         ProtoReflectionDescriptorDatabase,

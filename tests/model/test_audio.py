@@ -56,7 +56,9 @@ async def test_audio_equals_the_models_own_path(checkpoints: dict[str, str]) -> 
     waves = [noise(0.05, 1), noise(1.3, 2), tone(4.99)[:, 0], noise(2.0, 3)]
     expected, counts = await trio.to_thread.run_sync(reference, path, waves)
     items = [wav(w) for w in waves]
-    async with open_engine(model_path=path, dtype="float32", coalesce_delay=0.05) as engine:
+    # Batching pinned on: the adaptive cap would start each request alone.
+    async with open_engine(model_path=path, dtype="float32", coalesce_delay=0.05,
+                           adaptive_batch=False) as engine:
         info = engine.model_info
         assert (info.model_type, info.modalities, info.dim) == ("qwen2_audio", ("audio",), 40)
         out = await engine.encode(items, "audio")  # one request, four items

@@ -55,8 +55,10 @@ async def test_engine_equals_transformers(checkpoints: dict[str, str], arch: str
 
 async def test_concurrent_callers_batch_and_get_their_own(qwen25_path: str) -> None:
     images = [png_bytes(56 + 28 * (i % 5), 84 + 14 * (i % 3), seed=i) for i in range(16)]
-    # A short coalesce delay makes the batching deterministic on a loaded CI machine.
-    async with open_engine(model_path=qwen25_path, max_batch_size=8, coalesce_delay=0.05) as engine:
+    # A short coalesce delay makes the batching deterministic on a loaded CI machine; batching is
+    # pinned on (the adaptive cap would start each request alone).
+    async with open_engine(model_path=qwen25_path, max_batch_size=8, coalesce_delay=0.05,
+                           adaptive_batch=False) as engine:
         alone = [await engine.encode([img]) for img in images]
         before = engine.statistics().batches_run
         together: list = [None] * 16

@@ -34,7 +34,7 @@ class TorchCalls(TorchFunctionMode):
 
 # What a contiguous CPU tensor's bytes may cost: attribute reads and calls that keep the GIL.
 # A dispatched op (view, detach, cpu, contiguous, numpy, reshape) releases it, and the
-# thread then waits for any other thread running Python to give it back (README, *Capacity*).
+# thread then waits for any other thread running Python to give it back.
 GIL_KEEPING = {"__get__", "data_ptr", "is_contiguous", "dim"}
 
 

@@ -1,22 +1,16 @@
-"""``epd-trio proxy`` as an operator runs it, and the docs' table of its flags."""
+"""``epd-trio proxy`` as an operator runs it."""
 
 from __future__ import annotations
 
-import runpy
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import trio
 
-from epd_trio.config import ProxyConfig
-
 from conftest import listening_url, spawn
 from proxy_fakes import FakeLanguageServer, serving
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 async def test_the_proxy_command_serves_until_sigterm() -> None:
@@ -42,10 +36,3 @@ def test_a_proxy_without_language_servers_is_refused_in_one_line() -> None:
     assert done.stderr.strip().splitlines() == [
         "epd-trio: error: prefill_decode_urls (--prefill-decode-urls) needs at least one language "
         "server URL"]
-
-
-def test_the_docs_list_every_proxy_flag() -> None:
-    tool = runpy.run_path(str(ROOT / "tools" / "config_table.py"), run_name="config_table")
-    table = tool["table"](ProxyConfig)
-    assert table in (ROOT / "docs" / "vllm.md").read_text(), \
-        "paste `tools/config_table.py`'s ProxyConfig table into docs/vllm.md"

@@ -81,7 +81,8 @@ async def test_a_submit_stuck_on_a_silent_peer_is_under_the_deadline(
     source = torch.arange(4096, dtype=torch.uint8)
     real_time(autojump_clock)
     async with open_mooncake("127.0.0.1") as mc:
-        async with mc.registered(source.data_ptr(), source.numel()):
+        async with mc.registered(source.data_ptr(), source.numel()) as region:
+            assert not mc.in_use(region)
             virtual_time(autojump_clock)
             start = trio.current_time()
             with pytest.raises(TransferTimeout, match="took over 2.0 s"):
@@ -91,6 +92,7 @@ async def test_a_submit_stuck_on_a_silent_peer_is_under_the_deadline(
             assert trio.current_time() - start == 2.0 + _SETTLE_LIMIT
             s = mc.statistics()
             assert (s.timeouts, s.reaping, s.writes) == (1, 1, 0)
+            assert mc.in_use(region)  # the stuck write may still land: its owner is told
         # Still registered after its owner let go: the stuck submit may yet read it.
         assert mc.statistics().registered_regions == 1
         listener.close()  # the handshake fails now: the write's task ends and lets the region go
@@ -100,6 +102,7 @@ async def test_a_submit_stuck_on_a_silent_peer_is_under_the_deadline(
                 await trio.sleep(0.01)
         s = mc.statistics()
         assert (s.reaping, s.registered_regions, s.registered_bytes) == (0, 0, 0)
+        assert not mc.in_use(region)
 
 
 async def test_the_transport_closes_without_waiting_for_a_stuck_submit(

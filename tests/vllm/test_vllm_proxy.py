@@ -138,7 +138,9 @@ def vllm_encoder(vllm_env: VllmEnv, model: str, storage: Path,  # noqa: F811
                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
     """vLLM's own encoder instance (``ec_role: ec_producer``) of the same storage."""
     log = tmp_path_factory.mktemp("logs") / "vllm-producer.log"
-    with vllm_consumer(vllm_env, model, storage, log, role="ec_producer") as server:
+    ec = {"ec_connector": "ECExampleConnector", "ec_role": "ec_producer",
+          "ec_connector_extra_config": {"shared_storage_path": str(storage)}}
+    with vllm_consumer(vllm_env, model, storage, log, ec=ec) as server:
         yield server
 
 

@@ -127,20 +127,21 @@ class VllmServer:
 
 
 @contextmanager
-def vllm_consumer(env: VllmEnv, model: str, storage: Path, log: Path,
-                  extra_args: Sequence[str] = (), role: str = "ec_consumer") -> Iterator[VllmServer]:
-    """A vLLM server that loads encoder outputs from ``storage`` (ECExampleConnector, ec_consumer;
-    with ``role="ec_producer"``, vLLM's own encoder instance, which writes them there);
-    ``extra_args`` come last (a flag given twice: the last one counts)."""
+def vllm_consumer(env: VllmEnv, model: str, storage: Path | None, log: Path, *,
+                  ec: dict[str, Any] | None = None, args: tuple[str, ...] = ()) -> Iterator[VllmServer]:
+    """A vLLM server that loads encoder outputs from ``storage`` (ECExampleConnector, ec_consumer),
+    or as another ``--ec-transfer-config`` says (its host is 127.0.0.1); ``args`` are more flags."""
     port = free_port()
-    ec = {"ec_connector": "ECExampleConnector", "ec_role": role,
-          "ec_connector_extra_config": {"shared_storage_path": str(storage)}}
+    if ec is None:
+        ec = {"ec_connector": "ECExampleConnector", "ec_role": "ec_consumer",
+              "ec_connector_extra_config": {"shared_storage_path": str(storage)}}
     command = [str(env.python), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
                "--enforce-eager", "--dtype", "float32", "--max-num-seqs", "4",
-               "--ec-transfer-config", json.dumps(ec), *extra_args]
+               "--ec-transfer-config", json.dumps(ec), *args]
     extra = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-             "VLLM_LOGGING_LEVEL": "DEBUG", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+             "VLLM_LOGGING_LEVEL": "DEBUG", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+             "VLLM_HOST_IP": "127.0.0.1"}
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env.environ(**extra),
                                    start_new_session=True)
