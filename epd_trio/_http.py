@@ -1,4 +1,4 @@
-"""HTTP plumbing shared by the encoder and the registry (quart-trio on Hypercorn).
+"""HTTP plumbing shared by the encoder and the registry (quart-trio apps, ``epd_trio._listen``'s servers).
 
 One JSON response helper, one set of error handlers (every error leaves in the
 protocol's JSON shape with its status from ``epd_trio.errors.http_status``;
@@ -20,7 +20,7 @@ from quart_trio import QuartTrio
 from quart_trio.wrappers.request import TrioBody, TrioRequest
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from epd_trio._http11 import CLOSES_AFTER_APP
+from epd_trio._serving import CLOSES_AFTER_APP
 from epd_trio.errors import (
     BodyTimeoutError,
     EPDError,
@@ -34,6 +34,7 @@ from epd_trio.protocol.requests import parse_json_body
 
 __all__ = [
     "OFFLOAD_BODY_BYTES",
+    "SHIELDED_SEND_LIMIT",
     "BearerAuth",
     "JoinedBody",
     "JoinedBodyRequest",
@@ -236,18 +237,24 @@ def install_error_handlers(app: QuartTrio, what: str,
         return respond(exc) if respond is not None else json_error(exc)
 
 
-def shielded_send(send: Callable[[dict[str, Any]], Awaitable[None]]) -> Callable[[dict[str, Any]], Awaitable[None]]:
-    """``send``, run to its end even when its caller is cancelled.
+# Seconds a shielded send may take. One that waits longer waits for something that may never
+# come: Hypercorn's HTTP/2 stream buffer, once its connection has closed, waits forever, and
+# with no limit here such a send held a process's shutdown (SIGTERM) forever.
+SHIELDED_SEND_LIMIT: Final = 10.0
 
-    Hypercorn closes a ``Connection: close`` connection inside the app's last
-    ``send``; quart-trio (and our bare routes) cancel the handler as soon as the
+
+def shielded_send(send: Callable[[dict[str, Any]], Awaitable[None]]) -> Callable[[dict[str, Any]], Awaitable[None]]:
+    """``send``, run to its end even when its caller is cancelled (for ``SHIELDED_SEND_LIMIT``).
+
+    Hypercorn's own worker closes a ``Connection: close`` connection inside the app's
+    last ``send``; quart-trio (and our bare routes) cancel the handler as soon as the
     disconnect that close causes arrives, which cut the close short: the socket
     stayed open, and a client waiting for it hung. Hypercorn shields its own
     socket writes, so a shield here adds no wait that was not there.
     """
 
     async def shielded(message: dict[str, Any]) -> None:
-        with trio.CancelScope(shield=True):
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + SHIELDED_SEND_LIMIT):
             await send(message)
 
     return shielded
@@ -258,12 +265,12 @@ def guarded_app(app: Any, *, max_header_bytes: int,
     """An ASGI ``app`` whose every ``send`` is ``shielded_send`` and whose requests with a head
     over ``max_header_bytes`` are refused (431, closing) before ``app`` sees them.
 
-    Under a server that closes connections only after the app has returned (the built-in
-    one says so in the scope's extensions) no send can cut a close short: no shield, which
-    saves two cancel scopes per answer on the trio thread."""
+    Under a server that closes connections only after the app has returned (both of
+    ``epd_trio._listen``'s say so in the scope's extensions) no send can cut a close short:
+    no shield, which saves two cancel scopes per answer on the trio thread."""
 
     async def guarded(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if CLOSES_AFTER_APP not in scope.get("extensions", ()):  # Hypercorn closes inside a send
+        if CLOSES_AFTER_APP not in scope.get("extensions", ()):  # e.g. Hypercorn's own worker
             send = shielded_send(send)
         if scope["type"] == "http":
             try:

@@ -1,16 +1,17 @@
 """Binding a server's port, and starting the HTTP server that serves it.
 
 The server is epd_trio's own HTTP/1.1 server (``epd_trio._http11``, the default) or
-Hypercorn's trio worker (``--http-server hypercorn``); both serve the same ASGI app.
+Hypercorn's HTTP/1.1 protocol on epd_trio's connections (``--http-server hypercorn``:
+``epd_trio._hypercorn``); both serve the same ASGI app under the same limits
+(``HTTPServerConfig``).
 
 The listening socket is bound here, not by the server, for three reasons:
 
 - a port in use (or an address this host lacks) is a ``ValueError`` naming it, which
-  the CLI prints in one line; Hypercorn raised the ``OSError`` from inside two
-  nurseries, after its lifespan start-up;
-- the socket is owned by an ``async with`` block and closed when it ends, on every path
-  (Hypercorn leaves a socket whose bind failed to the garbage collector), and a server
-  binds it before its slow start-up (the model), so a port in use is said at once;
+  the CLI prints in one line (Hypercorn's own worker raised the ``OSError`` from inside
+  two nurseries, after its lifespan start-up);
+- the socket is owned by an ``async with`` block and closed when it ends, on every path,
+  and a server binds it before its slow start-up (the model), so a port in use is said at once;
 - the address is resolved by ``getaddrinfo``, which reads an IPv6 zone id
   (``fe80::1%eth0``) into the scope id that Linux needs to bind a link-local address;
   Hypercorn binds ``(host, port)``, scope 0.
@@ -19,18 +20,17 @@ The listening socket is bound here, not by the server, for three reasons:
 from __future__ import annotations
 
 import functools
-import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import hypercorn.config
-import hypercorn.trio
 import trio
 
-from epd_trio._http11 import HTTPServerConfig, serve_http11
+from epd_trio._http11 import serve_http11
+from epd_trio._hypercorn import serve_hypercorn
+from epd_trio._serving import HTTPServerConfig
 from epd_trio.config import HTTP_SERVERS
 
 __all__ = ["Listener", "bound_listener", "check_bindable", "start_http_server"]
@@ -38,16 +38,7 @@ __all__ = ["Listener", "bound_listener", "check_bindable", "start_http_server"]
 RESOLVE_TIMEOUT = 30.0  # seconds --host may take to resolve
 
 
-class _BoundConfig(hypercorn.config.Config):
-    """Hypercorn's configuration, serving sockets bound beforehand."""
-
-    def __init__(self, sockets: list[socket.socket]) -> None:
-        super().__init__()
-        self._bound = sockets
-
-    def create_sockets(self) -> hypercorn.config.Sockets:
-        return hypercorn.config.Sockets(secure_sockets=[], insecure_sockets=list(self._bound),
-                                        quic_sockets=[])
+_SERVERS = {"builtin": serve_http11, "hypercorn": serve_hypercorn}  # HTTP_SERVERS, each one line
 
 
 @dataclass(frozen=True)
@@ -92,28 +83,12 @@ async def start_http_server(nursery: trio.Nursery, app: Any, listener: Listener,
     Serving stops when ``shutdown_trigger`` returns (graceful: open requests get
     ``graceful_timeout`` seconds) or when the nursery is cancelled.
     """
-    if server == "builtin":
-        config = HTTPServerConfig(max_header_bytes=max_header_bytes, graceful_timeout=graceful_timeout)
-        await nursery.start(functools.partial(serve_http11, app, [listener.sock], config,
-                                              shutdown_trigger=shutdown_trigger))
-    elif server == "hypercorn":
-        await _start_hypercorn(nursery, app, listener, graceful_timeout=graceful_timeout,
-                               shutdown_trigger=shutdown_trigger, max_header_bytes=max_header_bytes)
-    else:
+    serve = _SERVERS.get(server)
+    if serve is None:
         raise ValueError(f"http_server must be one of {', '.join(HTTP_SERVERS)}, got {server!r}")
+    config = HTTPServerConfig(max_header_bytes=max_header_bytes, graceful_timeout=graceful_timeout)
+    await nursery.start(functools.partial(serve, app, [listener.sock], config, shutdown_trigger=shutdown_trigger))
     return listener.url
-
-
-async def _start_hypercorn(nursery: trio.Nursery, app: Any, listener: Listener, *,
-                           graceful_timeout: float, shutdown_trigger: Callable[[], Awaitable[None]],
-                           max_header_bytes: int) -> None:
-    config = _BoundConfig([listener.sock])
-    config.h11_max_incomplete_size = max_header_bytes  # a longer head is refused before parsing
-    config.graceful_timeout = graceful_timeout
-    config.accesslog = None
-    config.errorlog = logging.getLogger("hypercorn.error")
-    await nursery.start(functools.partial(hypercorn.trio.serve, app, config,
-                                          shutdown_trigger=shutdown_trigger))
 
 
 async def _bound_socket(host: str, port: int, flags: str) -> socket.socket:

@@ -56,7 +56,7 @@ CLIENT_BACKENDS = ("zmq", "mooncake", "inline")
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 HTTP_SERVERS = ("builtin", "hypercorn")  # as epd_trio._listen serves them
 _HTTP_SERVER_HELP = ("the HTTP server: builtin (epd_trio's lean HTTP/1.1 server on h11) or hypercorn "
-                     "(Hypercorn's trio worker)")
+                     "(Hypercorn's HTTP/1.1 protocol on epd_trio's connection handling)")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREPROCESS_MODES = ("thread", "process")
 EC_CONNECTORS = ("ECExampleConnector", "ECMooncakeConnector")  # the vLLM EC connectors served

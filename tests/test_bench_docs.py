@@ -45,16 +45,17 @@ def test_every_tool_has_a_section_and_current_results(docs_tool) -> None:  # typ
 
 def test_a_tool_run_writes_results_the_page_renders(docs_tool, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "bench_loop_stall.json"
-    done = subprocess.run([sys.executable, "tools/bench_loop_stall.py", "--mib", "1", "--repeat", "1",
-                           "--results", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "tools/bench_loop_stall.py", "--sections", "inline", "--mib", "1",
+                           "--repeat", "1", "--results", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert data["command"] == "python tools/bench_loop_stall.py --mib 1 --repeat 1"
+    assert data["command"] == "python tools/bench_loop_stall.py --sections inline --mib 1 --repeat 1"
     assert data["host"]["cores"] and "load_after" in data["host"]
     [table] = data["tables"]
     assert [row[0] for row in table["rows"]] == ["on loop", "off loop"]
     page = docs_tool.render(docs_tool.load(tmp_path))
-    assert "| on loop |" in page and "python tools/bench_loop_stall.py --mib 1 --repeat 1" in page
+    assert "| on loop |" in page and "python tools/bench_loop_stall.py --sections inline --mib 1 --repeat 1" in page
     assert "Not measured yet: run `python tools/bench_all.py --only bench_engine`" in page
 
 

@@ -1,9 +1,9 @@
-"""Serving the bootstrap registry over HTTP with Hypercorn's trio worker.
+"""Serving the bootstrap registry over HTTP (``epd_trio._listen``: the built-in server, or Hypercorn's protocol).
 
 ``serve_bootstrap(config)`` is an ``async with`` block, embeddable in any trio
 program (a language server can host its own registry): the registry, its
 supervised health loop and the HTTP server live exactly as long as the block.
-Leaving it stops Hypercorn (registrations stop), then cancels the health loop.
+Leaving it stops the HTTP server (registrations stop), then cancels the health loop.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ __all__ = ["BootstrapServer", "BootstrapStatistics", "run_bootstrap", "serve_boo
 
 log = logging.getLogger(__name__)
 
-# Registry requests are tiny and answered at once; what Hypercorn waits for on
+# Registry requests are tiny and answered at once; what the HTTP server waits for on
 # shutdown is mostly idle keep-alive connections (encoders' heartbeats), which
 # it would otherwise hold open for the whole grace period.
 _HTTP_GRACE = 0.5
@@ -92,7 +92,7 @@ async def serve_bootstrap(config: BootstrapConfig, *, probe: Probe | None = None
                 finally:
                     loops.cancel_scope.cancel()
         finally:
-            stop.set()  # Hypercorn closes its listeners, then idle connections
+            stop.set()  # the HTTP server closes its listeners, then idle connections
 
 
 async def run_bootstrap(config: BootstrapConfig, *, probe: Probe | None = None,

@@ -18,12 +18,12 @@ then aborts the request's scope); the other routes are wrapped by
 ``cancelled_when_gone``, a watcher task that cancels them. Another method is
 a 405, a bug a logged 500, and every error the face's JSON shape.
 
-Under Hypercorn every ``send``, the Quart app's too, is ``_http.shielded_send``:
-cancelling a send could leave a ``Connection: close`` socket open (the built-in
-server closes only after the app returns, and says so; ``_http.guarded_app``).
-For the same reason a reply has no timeout of its own: the built-in server
-bounds each write itself (``HTTPServerConfig.write_timeout``), and Hypercorn
-shields its socket writes, so a timeout here could only cut a close short.
+Under a server that closes a ``Connection: close`` socket inside a ``send``
+(Hypercorn's own worker) every ``send``, the Quart app's too, is
+``_http.shielded_send``: cancelling one could leave the socket open. Both of
+``epd_trio._listen``'s servers close only after the app returns, and say so
+(``_http.guarded_app``). A reply has no timeout of its own: both servers bound
+each write (``HTTPServerConfig.write_timeout``, ``epd_trio._wire``).
 """
 
 from __future__ import annotations

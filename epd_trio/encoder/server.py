@@ -1,4 +1,4 @@
-"""Serving the encoder over HTTP (epd_trio's own server, or Hypercorn's trio worker).
+"""Serving the encoder over HTTP (``epd_trio._listen``: the built-in server, or Hypercorn's protocol).
 
 ``serve_encoder(config)`` is an ``async with`` block: the engine, the service
 and the HTTP server live exactly as long as it. Once the port is bound (so the
@@ -9,7 +9,7 @@ re-announcing itself. With ``grpc_port`` a gRPC server
 order that loses nothing: health checks say "draining" (a readiness probe takes the
 encoder out of rotation), unregister (so registries stop routing new work
 here), stop admitting (503) and let live requests finish within
-``drain_timeout`` while HTTP (and gRPC) still answers, then stop Hypercorn and gRPC, then cancel
+``drain_timeout`` while HTTP (and gRPC) still answers, then stop HTTP and gRPC, then cancel
 what is left, then unload the engine.
 """
 
@@ -52,7 +52,7 @@ FACES: Final[Mapping[str, Callable[[EncoderService], ASGIApp]]] = MappingProxyTy
     "vllm": create_vllm_app,
 })
 
-# Requests have drained before Hypercorn is told to stop; what remains are idle
+# Requests have drained before the HTTP server is told to stop; what remains are idle
 # keep-alive connections, which need no long grace.
 _HTTP_GRACE = 2.0
 _ROUTE_TIMEOUT = 10.0  # seconds a registry's name may take to resolve, at start
@@ -60,7 +60,7 @@ _ROUTE_TIMEOUT = 10.0  # seconds a registry's name may take to resolve, at start
 
 @dataclass(frozen=True)
 class EncoderServer:
-    url: str  # where Hypercorn is bound
+    url: str  # where the HTTP server is bound
     service: EncoderService
     advertise_url: str  # what registries are told (``--advertise-url``, or derived from ``url``)
     registration: Registration | None = None  # None without ``register_url``

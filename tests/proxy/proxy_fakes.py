@@ -6,7 +6,8 @@ records each request (path, headers, body, and the item directories the
 shared storage held when it arrived), answers ``/health`` with ``healthy``,
 lists one model, and answers completions whole or as an event stream whose
 events wait, one by one, for the test to ``release`` them. It notes when a
-caller leaves mid-answer (``gone``).
+caller leaves mid-answer (``gone``): as any HTTP server can, once it writes to a
+caller that has closed its connection (a FIN alone may be a half-close).
 
 ``FakeEncoder`` plays an encoder instance: it records each chat request (body
 and headers) and answers it with ``status`` (200: ``ec_transfer_params`` naming
@@ -85,6 +86,7 @@ class FakeLanguageServer:
     seen: list[Seen] = field(default_factory=list)
     gone: trio.Event = field(default_factory=trio.Event)  # a caller left mid-answer
     health_probes: int = 0
+    sent: int = 0  # events of streamed answers written
 
     def __post_init__(self) -> None:
         self._gate_send, self._gate = trio.open_memory_channel[None](1000)
@@ -133,6 +135,7 @@ class FakeLanguageServer:
                 event = {"choices": [{"index": 0, "delta": {"content": f"t{k}"}}]}
                 await send({"type": "http.response.body", "more_body": True,
                             "body": b"data: " + json.dumps(event).encode() + b"\n\n"})
+                self.sent += 1
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
             nursery.cancel_scope.cancel()
 

@@ -16,7 +16,7 @@ import trio
 
 from epd_trio import ProxyConfig, ProxyServer, serve_proxy
 
-from conftest import data_uri, png_bytes, running
+from conftest import data_uri, first_event_then_leave, png_bytes, running
 from proxy_fakes import FakeEncoder, FakeLanguageServer, serving
 
 CHAT = "/v1/chat/completions"
@@ -113,34 +113,31 @@ async def test_a_stream_is_relayed_event_by_event(http_server: str) -> None:
     assert server.proxy.statistics().requests_done == 1
 
 
-async def _first_event_then_leave(url: str, body: dict[str, Any]) -> bytes:
-    """A caller on a bare socket: the request, its answer up to the first event, then gone."""
-    host, port = url.removeprefix("http://").split(":")
-    payload = json.dumps(body).encode()
-    head = (f"POST {CHAT} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(payload)}\r\n\r\n").encode()
-    received = b""
-    async with await trio.open_tcp_stream(host, int(port)) as stream:
-        await stream.send_all(head + payload)
-        while b"data: " not in received:
-            received += await stream.receive_some(65536)
-    return received
-
-
 @pytest.mark.parametrize("http_server", ["builtin", "hypercorn"])
 async def test_the_caller_leaving_cancels_the_forwarded_request(http_server: str) -> None:
-    language = FakeLanguageServer(events=5)
+    """Events come every 20 ms, as tokens would: the proxy finds the caller gone when it writes
+    the next one, closes the forwarded request, and the language server finds that out when it
+    writes its next one (a FIN alone may be a half-close, for either side)."""
+    events = 500
+    language = FakeLanguageServer(events=events)
+
+    async def tokens() -> None:
+        for _ in range(events):
+            language.release()
+            await trio.sleep(0.02)
+
     async with serving(language) as lm, \
-            proxied(["http://127.0.0.1:9"], [lm], http_server=http_server) as (server, http):
-        language.release()
+            proxied(["http://127.0.0.1:9"], [lm], http_server=http_server) as (server, http), \
+            trio.open_nursery() as nursery:
+        nursery.start_soon(tokens)
         with trio.fail_after(10):
-            received = await _first_event_then_leave(server.url, _chat(stream=True))
-        assert received.startswith(b"HTTP/1.1 200")
-        with trio.fail_after(10):
+            received = await first_event_then_leave(server.url, CHAT, _chat(stream=True))
             await language.gone.wait()  # the language server saw its request end
             while server.proxy.statistics().requests_live:
                 await trio.sleep(0.01)
         metrics = (await http.get("/metrics")).text
+        nursery.cancel_scope.cancel()
+    assert received.startswith(b"HTTP/1.1 200") and language.sent < events
     assert 'epd_proxy_requests_total{route="/v1/chat/completions",status="499"} 1.0' in metrics
     assert all(s.in_flight == 0 for s in server.proxy.servers.statistics())
 

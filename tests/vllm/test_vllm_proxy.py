@@ -24,7 +24,7 @@ import trio
 from epd_trio.model.samples import sample_video
 from epd_trio.model.tiny import make_tiny_model, servable_spec
 
-from conftest import data_uri, listening_url, spawn
+from conftest import data_uri, first_event_then_leave, listening_url, spawn
 from proxy_harness import (
     encoded,
     encoder,
@@ -91,6 +91,30 @@ async def test_a_stream_through_the_proxy_is_vllms_answer_event_by_event(
     text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1]
                    if json.loads(e)["choices"])
     assert text == whole["choices"][0]["message"]["content"]
+
+
+async def vllm_metric(http: httpx.AsyncClient, name: str) -> float:
+    """One of vLLM's own Prometheus metrics, summed over its labels."""
+    text = (await http.get("/metrics")).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+async def test_a_caller_leaving_a_stream_aborts_vllms_request(model: str, storage: Path,
+                                                              vllm: VllmServer) -> None:
+    """vLLM counts no client abort (and logs one only with --enable-log-requests): the request
+    stops running long before its 1500 tokens."""
+    body = {"model": vllm.model, **request(image(61), stream=True, max_tokens=1500)}
+    async with encoder(model, storage) as a, proxy_over([a.url], vllm) as (server, _), \
+            httpx.AsyncClient(base_url=vllm.url, timeout=30) as metrics:
+        before = await vllm_metric(metrics, "vllm:generation_tokens_total")
+        with trio.fail_after(120):
+            await first_event_then_leave(server.url, "/v1/chat/completions", body)
+            while server.proxy.statistics().requests_live or \
+                    await vllm_metric(metrics, "vllm:num_requests_running"):
+                await trio.sleep(0.1)
+        generated = await vllm_metric(metrics, "vllm:generation_tokens_total") - before
+    assert 0 < generated < 1500
 
 
 async def test_a_bad_item_is_the_encoders_4xx_at_once(model: str, storage: Path, vllm: VllmServer) -> None:
