@@ -142,6 +142,18 @@ async def test_the_caller_leaving_cancels_the_forwarded_request(http_server: str
     assert all(s.in_flight == 0 for s in server.proxy.servers.statistics())
 
 
+async def test_a_caller_leaving_while_encoders_work_closes_their_calls() -> None:
+    stuck, language = FakeEncoder(hang=True), FakeLanguageServer()
+    async with serving(stuck) as e, serving(language) as lm, proxied([e], [lm]) as (server, _):
+        with trio.fail_after(10):
+            await first_event_then_leave(server.url, CHAT, _chat(_image(1)), wait=False)
+            await stuck.gone.wait()  # the part's call was closed: an encoder drops the work
+            while server.proxy.statistics().requests_live:
+                await trio.sleep(0.01)
+        assert server.proxy.client.statistics().requests_live == 0
+    assert language.seen == []
+
+
 async def test_requests_go_to_healthy_language_servers_only() -> None:
     sick, well = FakeLanguageServer(healthy=False), FakeLanguageServer()
     async with serving(sick) as a, serving(well) as b, \
