@@ -26,8 +26,20 @@ SHM = Path("/dev/shm")
 
 
 def segments() -> set[str]:
-    """This machine's POSIX shared-memory segments made by multiprocessing (``psm_*``)."""
-    return {p.name for p in SHM.glob("psm_*")} if SHM.is_dir() else set()
+    """The POSIX shared-memory segments made by multiprocessing (``psm_*``) that are this
+    process tree's: mapped by it, or by no live process at all (an orphan: what a leak leaves).
+    A segment another program on the machine holds (a vLLM server, another test run) is not."""
+    found = {p.name for p in SHM.glob("psm_*")} if SHM.is_dir() else set()
+    ours = {os.getpid()} | children()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        if not found or int(maps.parent.name) in ours:
+            continue
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue  # ended while we looked, or not ours to read
+        found = {name for name in found if f"/dev/shm/{name}" not in text}
+    return found
 
 
 def children() -> set[int]:
