@@ -10,7 +10,7 @@ import importlib as _importlib
 import typing as _typing
 
 from epd_trio._version import __version__
-from epd_trio.config import BootstrapConfig, ClientConfig, EncoderConfig, EngineConfig
+from epd_trio.config import BootstrapConfig, ClientConfig, EncoderConfig, EngineConfig, ProxyConfig
 from epd_trio.errors import (
     AbortedError,
     ConflictError,
@@ -49,6 +49,7 @@ if _typing.TYPE_CHECKING:
     from epd_trio.encoder.server import EncoderServer, run_encoder, serve_encoder
     from epd_trio.engine import EncodeOutput, Engine, EngineStatistics, ModelInfo, open_engine
     from epd_trio.model.tiny import TinySpec, make_tiny_model
+    from epd_trio.proxy import ProxyServer, serve_proxy
 
 _LAZY = {
     **dict.fromkeys(("BootstrapServer", "run_bootstrap", "serve_bootstrap"), "epd_trio.bootstrap.server"),
@@ -58,6 +59,7 @@ _LAZY = {
     **dict.fromkeys(("EncodeOutput", "Engine", "EngineStatistics", "ModelInfo", "open_engine"),
                     "epd_trio.engine"),
     **dict.fromkeys(("TinySpec", "make_tiny_model"), "epd_trio.model.tiny"),
+    **dict.fromkeys(("ProxyServer", "serve_proxy"), "epd_trio.proxy"),
 }
 
 
@@ -103,6 +105,8 @@ __all__ = [
     "PayloadTooLargeError",
     "PeerUnavailable",
     "ProtocolError",
+    "ProxyConfig",
+    "ProxyServer",
     "RemoteEncodeError",
     "RequestError",
     "TinySpec",
@@ -118,4 +122,5 @@ __all__ = [
     "run_encoder",
     "serve_bootstrap",
     "serve_encoder",
+    "serve_proxy",
 ]

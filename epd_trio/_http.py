@@ -21,7 +21,15 @@ from quart_trio.wrappers.request import TrioBody, TrioRequest
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from epd_trio._serving import CLOSES_AFTER_APP
-from epd_trio.errors import EPDError, HeadersTooLargeError, PayloadTooLargeError, UnauthorizedError, error_body, http_status
+from epd_trio.errors import (
+    BodyTimeoutError,
+    EPDError,
+    HeadersTooLargeError,
+    PayloadTooLargeError,
+    UnauthorizedError,
+    error_body,
+    http_status,
+)
 from epd_trio.protocol.requests import parse_json_body
 
 __all__ = [
@@ -42,6 +50,7 @@ __all__ = [
     "json_reply",
     "json_response",
     "parse_json_off_loop",
+    "read_body",
     "send_reply",
     "shielded_send",
     "with_allow",
@@ -288,3 +297,31 @@ async def send_reply(send: Callable[[dict[str, Any]], Awaitable[None]], reply: R
     await send({"type": "http.response.start", "status": reply.status, "headers": headers})
     await send({"type": "http.response.body", "body": reply.body})
 
+
+
+async def read_body(scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]], *,
+                    max_bytes: int, timeout: float) -> bytes | None:
+    """A bare ASGI route's whole request body; None when the client left first.
+
+    ``PayloadTooLargeError`` past ``max_bytes`` (a declared length is refused unread),
+    ``BodyTimeoutError`` when it has not all arrived within ``timeout`` seconds.
+    """
+    declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+    if declared is not None and int(declared) > max_bytes:  # the server has checked it is a number
+        raise PayloadTooLargeError("request body is over the size limit")
+    chunks: list[bytes] = []
+    size = 0
+    with trio.move_on_after(timeout):
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            if chunk:
+                size += len(chunk)
+                if size > max_bytes:
+                    raise PayloadTooLargeError("request body is over the size limit")
+                chunks.append(bytes(chunk))
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    raise BodyTimeoutError(f"the request body did not arrive within {timeout:g} s")

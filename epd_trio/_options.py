@@ -58,6 +58,7 @@ GROUPS: Mapping[str, str] = types.MappingProxyType({
     "registry": "the bootstrap registry: registering, probing, discovering",
     "security": "tokens, and which media may be read or fetched",
     "client": "which encoders a client calls, how long it waits",
+    "proxy": "the language servers the EPD proxy forwards requests to, and their health",
     "operations": "logging, health checks, shutdown, profiling, process tuning",
 })
 

@@ -23,6 +23,7 @@ from epd_trio.config import (
     BootstrapConfig,
     EncoderConfig,
     EngineConfig,
+    ProxyConfig,
     add_config_arguments,
     check_log_level,
     config_from_args,
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 # Only these become a one-line message and exit 2; anything else is a bug.
 _EXPECTED = (EPDError, ValueError)
 EXIT_INTERRUPTED = 130  # what a shell reports for Ctrl-C (128 + SIGINT)
+Served = EncoderConfig | BootstrapConfig | ProxyConfig  # what `_serve_until_signal` serves
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
@@ -83,7 +85,7 @@ def _freeze_startup_objects() -> None:
     gc.freeze()
 
 
-def _tune_process(config: EncoderConfig | BootstrapConfig) -> bool:
+def _tune_process(config: Served) -> bool:
     """What only the process's owner may set: on a CPU device, malloc keeps freed memory
     (``engine.heap``: a CPU forward's activations are asked for again every batch). Once
     serving, so what loading the model freed has gone back to the kernel. True when applied."""
@@ -96,14 +98,14 @@ def _tune_process(config: EncoderConfig | BootstrapConfig) -> bool:
     return keep_freed_memory()
 
 
-async def _serve_until_signal(config: EncoderConfig | BootstrapConfig) -> None:
+async def _serve_until_signal(config: Served) -> None:
     """Serve until SIGINT/SIGTERM, then leave the block: a graceful shutdown, exit 0.
 
     The signal is watched from the start: one that comes while the server is
     still starting (loading the model, say) cancels the start-up, whose
     blocking calls are abandonable or bounded, so the process exits promptly.
     """
-    what = "encoder" if isinstance(config, EncoderConfig) else "bootstrap"
+    what = {EncoderConfig: "encoder", BootstrapConfig: "bootstrap", ProxyConfig: "proxy"}[type(config)]
     # Watched before the server's imports (torch, transformers: seconds), which a signal
     # during them must stop too: trio keeps it until the first checkpoint after them.
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -125,11 +127,15 @@ async def _serve_until_signal(config: EncoderConfig | BootstrapConfig) -> None:
             nursery.cancel_scope.cancel()
 
 
-def _serve_function(config: EncoderConfig | BootstrapConfig) -> Any:
+def _serve_function(config: Served) -> Any:
     if isinstance(config, EncoderConfig):
         from epd_trio.encoder.server import serve_encoder
 
         return serve_encoder
+    if isinstance(config, ProxyConfig):
+        from epd_trio.proxy.server import serve_proxy
+
+        return serve_proxy
     from epd_trio.bootstrap.server import serve_bootstrap
 
     return serve_bootstrap
@@ -149,6 +155,13 @@ async def _first_signal(signals: AsyncIterator[int], started: trio.Event, stop: 
 
 def _bootstrap(args: argparse.Namespace) -> int:
     config = config_from_args(BootstrapConfig, args)
+    logging.getLogger().setLevel(config.log_level.upper())
+    trio.run(_serve_until_signal, config)
+    return 0
+
+
+def _proxy(args: argparse.Namespace) -> int:
+    config = config_from_args(ProxyConfig, args)
     logging.getLogger().setLevel(config.log_level.upper())
     trio.run(_serve_until_signal, config)
     return 0
@@ -203,6 +216,23 @@ _BOOTSTRAP: Mapping[str, Any] = MappingProxyType({
   # an encoder that registers with it
   EPD_REGISTRY_AUTH_TOKEN=s3cret epd-trio encoder --register-url http://registry:8997""",
 })
+_PROXY: Mapping[str, Any] = MappingProxyType({
+    "description": ("Serve the EPD proxy in front of vLLM: OpenAI requests (chat completions, "
+                    "streamed or not, and completions) come in; a chat request's images, videos "
+                    "and audio go first to encoder instances (epd-trio encoder --api vllm, or "
+                    "vLLM's own), which store them where vLLM's EC connector reads them; then the "
+                    "request goes on, unchanged, to a healthy prefill/decode vLLM server, and its "
+                    "answer comes back as it arrives. SIGINT or SIGTERM exits 0.\n\nEvery option "
+                    "is also an EPD_* environment variable (--port: EPD_PORT); a flag wins over "
+                    "its variable."),
+    "epilog": """examples:
+  # two encoders and one vLLM server behind the proxy on 127.0.0.1:8000
+  epd-trio proxy --encoder-urls http://127.0.0.1:8001,http://127.0.0.1:8002 \\
+      --prefill-decode-urls http://127.0.0.1:8100
+  # encoders discovered in a registry, two language servers, reachable from other hosts
+  epd-trio proxy --host 0.0.0.0 --bootstrap-url http://registry:8997 \\
+      --prefill-decode-urls http://vllm-a:8100,http://vllm-b:8100""",
+})
 _DEMO: Mapping[str, Any] = MappingProxyType({
     "description": ("Start a bootstrap registry and --encoders encoders in one program, encode five "
                     "sample images split across them through a client that discovers them in the "
@@ -244,6 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
                                brief=("host", "port", "auth_token", "log_level"))
     add_config_arguments(bootstrap, BootstrapConfig)
     bootstrap.set_defaults(run=_bootstrap)
+
+    proxy = sub.add_parser("proxy", help="serve the EPD proxy in front of vLLM language servers",
+                           **_PROXY, brief=("host", "port", "encoder_urls", "bootstrap_url",
+                                            "prefill_decode_urls", "log_level"))
+    add_config_arguments(proxy, ProxyConfig)
+    proxy.set_defaults(run=_proxy)
 
     demo = sub.add_parser("demo", help="a registry, encoders and a client in one program: encode, "
                           "check, print a table", **_DEMO,

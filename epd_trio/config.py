@@ -38,6 +38,7 @@ __all__ = [
     "ClientConfig",
     "EncoderConfig",
     "EngineConfig",
+    "ProxyConfig",
     "add_config_arguments",
     "available_cores",
     "check_log_level",
@@ -629,3 +630,85 @@ class ClientConfig:
                              "listens on (encoders are told zmq_advertise)")
         if self.discovery_dns is not None:
             object.__setattr__(self, "discovery_dns", _dns_url(self.discovery_dns))
+
+
+def _http_urls(urls: tuple[str, ...], what: str) -> tuple[str, ...]:
+    """http(s) base URLs, normalized and without repeats (the port may be left off); an
+    entry may hold several, comma-separated (as a flag given once)."""
+    from epd_trio.errors import RequestError
+    from epd_trio.protocol.urls import normalize_url
+
+    if isinstance(urls, str):
+        raise ValueError(f"{what} must be a sequence of URLs, not one string")
+    split = [url.strip() for entry in urls for url in entry.split(",") if url.strip()]
+    try:
+        return tuple(dict.fromkeys(normalize_url(url, what, require_port=False) for url in split))
+    except RequestError as exc:
+        raise ValueError(exc.message) from None
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """The EPD proxy: a request's media to encoder instances, then the request to a vLLM server."""
+
+    host: str = _opt("127.0.0.1", "address to listen on", group="serving")
+    port: int = _opt(8000, "port to listen on (0 picks a free one)", group="serving")
+    encoder_urls: tuple[str, ...] = _opt((), "encoder instances (http://host:port): epd-trio "
+                                         "encoders started with --api vllm, or vLLM's own "
+                                         "(ec_role ec_producer); several comma-separated too",
+                                         group="client")
+    bootstrap_url: str | None = _opt(None, "a bootstrap registry to discover encoders from "
+                                     "(merged with --encoder-urls; register only --api vllm ones "
+                                     "there)", group="registry")
+    prefill_decode_urls: tuple[str, ...] = _opt((), "the language servers requests are forwarded "
+                                                "to (vLLM, ec_role ec_consumer); several "
+                                                "comma-separated too; at least one", group="proxy")
+    encode_timeout: float = _opt(60.0, "seconds the encoders get to store a request's media, "
+                                 "failovers included (→ 504)", group="client")
+    upstream_timeout: float = _opt(600.0, "seconds a forwarded request may take, from the "
+                                   "encoders' end to its answer's last byte, streams included "
+                                   "(→ 504 before the answer starts; after, the stream ends)",
+                                   group="proxy")
+    connect_timeout: float = _opt(5.0, "seconds to connect to an encoder or a language server "
+                                  "before trying another one", group="client")
+    health_interval: float = _opt(5.0, "seconds between health probes (GET /health) of each "
+                                  "language server", group="proxy")
+    health_timeout: float = _opt(2.0, "seconds one health probe may take before it counts as missed",
+                                 group="proxy")
+    max_failures: int = _opt(2, "consecutive missed probes that take a language server out of "
+                             "rotation (one answered probe brings it back)", group="proxy")
+    refresh_interval: float = _opt(5.0, "seconds between refreshes of the registry's encoder list",
+                                   group="registry")
+    max_body_bytes: int = _opt(128 * MiB, "largest request body (→ 413)", group="serving", size=True)
+    body_timeout: float = _opt(60.0, "seconds a request body may take to arrive (→ 408)",
+                               group="serving")
+    max_requests: int = _opt(1024, "most requests in flight at once; over it → 503 at once",
+                             group="serving")
+    http_server: str = _opt("builtin", _HTTP_SERVER_HELP, group="serving", choices=HTTP_SERVERS)
+    log_level: str = _opt("INFO", "logging level (any case)", group="operations", metavar=_LOG_METAVAR)
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        _check_listen(self.host, self.port)
+        _require(self, lambda v: v > 0, "> 0", "encode_timeout", "upstream_timeout",
+                 "connect_timeout", "health_interval", "health_timeout", "refresh_interval",
+                 "body_timeout")
+        _require(self, lambda v: v >= 1, "at least 1", "max_failures", "max_body_bytes",
+                 "max_requests")
+        check_log_level(self.log_level)
+        object.__setattr__(self, "encoder_urls", _http_urls(self.encoder_urls, "encoder_urls"))
+        urls = _http_urls(self.prefill_decode_urls, "prefill_decode_urls")
+        if not urls:
+            raise ValueError(f"{_named('prefill_decode_urls')} needs at least one language server URL")
+        object.__setattr__(self, "prefill_decode_urls", urls)
+        if not self.encoder_urls and not self.bootstrap_url:
+            raise ValueError(f"name the encoders: {_named('encoder_urls')} or {_named('bootstrap_url')}")
+        if self.bootstrap_url is not None:
+            object.__setattr__(self, "bootstrap_url", _url(self.bootstrap_url, "bootstrap_url"))
+
+    def client_config(self) -> ClientConfig:
+        """The encoder client behind the fan-out: nothing comes back to its pool, so a small one."""
+        return ClientConfig(encoder_urls=self.encoder_urls, bootstrap_url=self.bootstrap_url,
+                            refresh_interval=self.refresh_interval, timeout=self.encode_timeout,
+                            connect_timeout=self.connect_timeout, transfer_backend="inline",
+                            pool_bytes=MiB)

@@ -223,6 +223,27 @@ async def listening_url(proc: subprocess.Popen[str]) -> str:
     return line.rsplit(" ", 1)[1].strip()
 
 
+async def first_event_then_leave(url: str, path: str, body: dict[str, Any], *,
+                                 wait: bool = True) -> bytes:
+    """A caller on a bare socket: POST ``body`` as JSON, read the answer up to its first
+    server-sent event (``wait=False``: nothing), then close the connection (what a user
+    closing a chat tab does)."""
+    import json
+
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    payload = json.dumps(body).encode()
+    head = (f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(payload)}\r\n\r\n").encode()
+    received = b""
+    async with await trio.open_tcp_stream(host, int(port)) as stream:
+        await stream.send_all(head + payload)
+        while wait and b"data: " not in received:
+            chunk = await stream.receive_some(65536)
+            assert chunk, f"the connection closed before an event: {received[:500]!r}"
+            received += chunk
+    return received
+
+
 # ---- transformers' own vision features, the reference embeddings are checked against ----
 def deepstack_levels(out: Any) -> list[Any]:
     """The deepstack levels of one item from ``get_image_features`` / ``get_video_features``

@@ -19,6 +19,7 @@ from epd_trio.config import (
     ClientConfig,
     EncoderConfig,
     EngineConfig,
+    ProxyConfig,
     _opt,
     add_config_arguments,
     available_cores,
@@ -94,7 +95,10 @@ def test_bad_values_say_which(env: dict[str, str], message: str) -> None:
         config_from_env(EngineConfig, env)
 
 
-COMPONENTS = (EncoderConfig, BootstrapConfig, ClientConfig)  # EncoderConfig holds EngineConfig
+COMPONENTS = (EncoderConfig, BootstrapConfig, ProxyConfig, ClientConfig)  # EncoderConfig holds EngineConfig
+# What a component cannot start without (the proxy: where to send requests, whom to ask).
+REQUIRED: dict[type, dict[str, str]] = {
+    ProxyConfig: {"EPD_ENCODER_URLS": "http://e:1", "EPD_PREFILL_DECODE_URLS": "http://l:2"}}
 
 
 @pytest.mark.parametrize("cls", COMPONENTS)
@@ -298,6 +302,6 @@ def test_every_default_as_shown_reads_back_as_the_default(cls: type) -> None:
     # "As a user types them": each shown default, given as its variable, is the default again.
     for f, _ in config_fields(cls):
         if text := default_text(f):
-            config = config_from_env(cls, {env_name(f.name): text})
+            config = config_from_env(cls, {**REQUIRED.get(cls, {}), env_name(f.name): text})
             owner = config if f.name in {g.name for g in dataclasses.fields(cls)} else config.engine
             assert getattr(owner, f.name) == f.default, (f.name, text)

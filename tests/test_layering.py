@@ -19,15 +19,17 @@ PACKAGE = Path(__file__).resolve().parent.parent / "epd_trio"
 
 # part → the parts it must not import (lower layers never reach up).
 FORBIDDEN: dict[str, frozenset[str]] = {
-    "protocol": frozenset({"transport", "encoder", "client", "bootstrap"}),
-    "model": frozenset({"encoder", "transport", "client"}),
-    "scheduling": frozenset({"encoder", "transport", "client"}),
-    "transport": frozenset({"encoder", "client"}),
-    "client": frozenset({"encoder"}),
+    "protocol": frozenset({"transport", "encoder", "client", "bootstrap", "proxy"}),
+    "model": frozenset({"encoder", "transport", "client", "proxy"}),
+    "scheduling": frozenset({"encoder", "transport", "client", "proxy"}),
+    "transport": frozenset({"encoder", "client", "proxy"}),
+    "client": frozenset({"encoder", "proxy"}),
     # An encoder's registration with a registry may live in bootstrap/: the encoder imports it.
-    "bootstrap": frozenset({"encoder", "client"}),
-    "engine": frozenset({"encoder", "transport", "client", "bootstrap"}),
-    "delivery": frozenset({"encoder", "client"}),
+    "bootstrap": frozenset({"encoder", "client", "proxy"}),
+    "engine": frozenset({"encoder", "transport", "client", "bootstrap", "proxy"}),
+    "delivery": frozenset({"encoder", "client", "proxy"}),
+    # The proxy reaches encoders over HTTP only, through the client.
+    "proxy": frozenset({"encoder", "engine", "model", "scheduling", "delivery"}),
 }
 
 # The base: these import no other epd_trio module but each other.

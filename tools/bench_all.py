@@ -38,6 +38,7 @@ TOOLS: dict[str, tuple[list[str], list[str]]] = {
     "bench_grpc_guard": (["--calls", "1000", "--repeat", "3"], []),
     "probe_grpc": (["--quick", "--candidates", "A", "A2", "B", "C"], ["--candidates", "A", "A2", "B", "C"]),
     "chaos_soak": (["--duration", "60"], ["--duration", "600"]),
+    "bench_epd": (["--quick"], []),
 }
 
 

@@ -67,10 +67,12 @@ class HealthLoop:
     """``await nursery.start(loop.run)``: probes ``registry``'s encoders until cancelled."""
 
     def __init__(self, registry: Registry, probe: Probe, *, interval: float, timeout: float,
-                 restart_initial: float = RESTART_INITIAL, restart_max: float = RESTART_MAX) -> None:
+                 restart_initial: float = RESTART_INITIAL, restart_max: float = RESTART_MAX,
+                 what: str = "encoder") -> None:
         if interval <= 0 or timeout <= 0:
             raise ValueError("interval and timeout must be > 0")
         self.registry = registry
+        self.what = what  # what the logs call the probed servers
         self.interval = interval
         self.timeout = timeout
         self._probe = probe
@@ -113,7 +115,7 @@ class HealthLoop:
     async def round(self) -> None:
         """One round: forget the long-evicted, then probe everyone concurrently."""
         for url in self.registry.expire(trio.current_time()):
-            log.info("forgot encoder %s (evicted for %.0f s)", url, self.registry.evicted_ttl)
+            log.info("forgot %s %s (evicted for %.0f s)", self.what, url, self.registry.evicted_ttl)
         async with trio.open_nursery() as nursery:
             for url in self.registry.urls():
                 nursery.start_soon(self._probe_one, url)
@@ -127,9 +129,10 @@ class HealthLoop:
         self._timeouts += scope.cancelled_caught
         change = self.registry.record_probe(url, bool(ok), trio.current_time())
         if change is Transition.EVICTED:
-            log.warning("evicted encoder %s after %d missed probes", url, self.registry.max_failures)
+            log.warning("evicted %s %s after %d missed probes", self.what, url,
+                        self.registry.max_failures)
         elif change is Transition.REVIVED:
-            log.info("revived encoder %s", url)
+            log.info("revived %s %s", self.what, url)
 
     def statistics(self) -> HealthLoopStatistics:
         return HealthLoopStatistics(

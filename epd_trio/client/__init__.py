@@ -10,6 +10,7 @@ from epd_trio.client.pool import EmbeddingPool, PoolStatistics, Slot
 from epd_trio.client.result import EncodedRequest, ItemEmbedding
 from epd_trio.client.routing import Part, plan_parts
 from epd_trio.client.state import ClientStatistics
+from epd_trio.client.vllm_parts import StoredRequest
 from epd_trio.config import ClientConfig
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "PoolStatistics",
     "RemoteEncodeError",
     "Slot",
+    "StoredRequest",
     "open_encoder_client",
     "plan_parts",
 ]

@@ -57,11 +57,12 @@ class RemoteEncodeError(EncodeError):
     """An encoder reported that a part failed; its type, message and status are kept."""
 
     def __init__(self, message: str, *, req_id: str, status_code: int, error_type: str,
-                 encoder_url: str, part_idx: int) -> None:
+                 encoder_url: str, part_idx: int, detail: str = "") -> None:
         super().__init__(message, req_id=req_id, status_code=status_code)
         self.error_type = error_type
         self.encoder_url = encoder_url
         self.part_idx = part_idx
+        self.detail = detail or message  # the encoder's own message, without where it came from
 
 
 class Answer(Protocol):
@@ -133,7 +134,7 @@ def http_error(response: Answer, req_id: str, encoder_url: str,
     return RemoteEncodeError(
         f"{encoder_url} part {part_idx}: {response.status_code} {error_type}: {message}",
         req_id=req_id, status_code=response.status_code, error_type=error_type,
-        encoder_url=encoder_url, part_idx=part_idx)
+        encoder_url=encoder_url, part_idx=part_idx, detail=message)
 
 
 def zmq_error(header: EmbeddingHeader, encoder_url: str) -> RemoteEncodeError:

@@ -5,20 +5,21 @@ The router and the Mooncake writer speak protocol v1 bodies (``/encode``,
 them is the URL's business: ``http(s)://`` through the client's httpx client,
 ``grpc://`` through its gRPC channels (``grpc_channel``). A request may mix
 both. Failures of the call itself are httpx errors (HTTP) or ``EPDError``s
-(gRPC: ``EncoderUnreachable`` when no connection could be made).
+(gRPC: ``EncoderUnreachable`` when no connection could be made, or when the
+path has no RPC there, so that a part moves to an encoder that serves it).
 """
 
 from __future__ import annotations
 
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
 from typing import Any
 
 import httpx
 import msgspec
 
-from epd_trio.client.answers import Answer
+from epd_trio.client.answers import Answer, EncoderUnreachable
 from epd_trio.client.grpc_channel import GRPC_SCHEME, GrpcChannels
 from epd_trio.errors import PayloadTooLargeError
 
@@ -82,13 +83,21 @@ class EncoderCalls:
         self._extensions = {"timeout": http.timeout.as_dict()}
         self._urls: dict[str, httpx.URL] = {}  # parsed once per encoder URL and path
 
-    async def post(self, url: str, path: str, body: dict[str, Any]) -> Answer:
+    async def post(self, url: str, path: str, body: dict[str, Any],
+                   headers: Mapping[str, str] | None = None) -> Answer:
+        """``body`` to ``url + path``; ``headers`` are added to the JSON ones (HTTP only)."""
         if url.startswith(GRPC_SCHEME):
+            if not self.grpc.serves(path):
+                raise EncoderUnreachable(f"{url} is a gRPC encoder: it has no {path}")
             return await self.grpc.post(url, path, body)  # grpcio bounds its messages itself
+        merged = self._headers
+        if headers:
+            merged = httpx.Headers(self._headers)
+            merged.update(headers)
         # msgspec, not httpx's json.dumps: a 448 px PNG's data: URI (0.6 MB) cost the
         # caller's event loop ~3.6 ms to encode that way, ~0.25 ms here (same JSON).
         request = httpx.Request("POST", self._url(url + path), content=msgspec.json.encode(body),
-                                headers=self._headers, extensions=self._extensions)
+                                headers=merged, extensions=self._extensions)
         response = await self.http.send(request, stream=True)
         try:
             declared = response.headers.get("content-length", "")

@@ -18,6 +18,11 @@ caller's cancellation, the client closing — the parts an encoder may still be
 working on are aborted there (best effort, shielded, short deadline), and the
 request leaves nothing behind: ``statistics()`` proves it.
 
+``encode_for_vllm`` runs a request the same way (plan, routing, deadline,
+clean-up) over encoder instances of vLLM's EPD instead: each part is an OpenAI
+chat request that the encoder answers once it has stored the items for the
+language server (``vllm_parts``); nothing comes back to the client's pool.
+
 With ``transfer_backend="mooncake"`` there is no PULL socket: parts are written
 straight into the request's slot (``inplace``). A request owns its slot until
 its result does; on failure the slot is released only after the parts'
@@ -32,12 +37,13 @@ and ``demux.hand_off`` (``demux``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from types import TracebackType
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import httpx
 import trio
@@ -71,6 +77,15 @@ from epd_trio.client.result import (
 )
 from epd_trio.client.router import Router
 from epd_trio.client.state import ClientStatistics, LiveRequest, PartState
+from epd_trio.client.vllm_parts import (
+    CHAT_PATH,
+    StoredRequest,
+    merge_transfer_params,
+    part_body,
+    part_request_id,
+    retryable,
+    transfer_params,
+)
 from epd_trio.config import ClientConfig
 from epd_trio.errors import (
     AbortedError,
@@ -93,6 +108,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 # An HTTP answer may exceed the pool by its header and metadata, no more.
 _ANSWER_SLACK: Final = 1 << 20
@@ -211,25 +228,58 @@ class EncoderClient:
         (no encoder reachable), ``RequestError`` (bad items or too big for the pool).
         """
         self._require_open()
+
+        async def run(limit: float, deadline: float) -> EncodedRequest:
+            wire = await trio.to_thread.run_sync(to_wire_items, items) if is_heavy(items) \
+                else to_wire_items(items)
+            return await self._run(self._register(req_id, wire), limit, deadline, self._complete)
+
+        return await self._measured(timeout, run)
+
+    async def encode_for_vllm(self, parts: Mapping[str, Sequence[Mapping[str, Any]]], *,
+                              options: Mapping[str, Any] | None = None,
+                              timeout: float | None = None,
+                              req_id: str | None = None) -> StoredRequest:
+        """Have encoder instances of vLLM's EPD store a chat request's media items.
+
+        ``parts`` maps each modality to its OpenAI content parts, verbatim
+        (``{"type": "image_url", "image_url": {...}, "uuid": ...}``); ``options``
+        is the original request (``vllm_parts.FORWARDED_OPTIONS`` are copied from
+        it). The parts are planned, routed and bounded as ``encode``'s are; each
+        is one ``POST /v1/chat/completions`` (``vllm_parts``), done when it answers
+        200. A part whose encoder fails (unreachable, connection lost, a 5xx)
+        moves to another; an encoder's 4xx fails the request as a
+        ``RemoteEncodeError`` with that status. Ending a part's call early is its
+        abort: the connection closes, and an encoder instance drops the work.
+        """
+        self._require_open()
+        wire = {modality: list(items) for modality, items in parts.items()}
+
+        async def run(limit: float, deadline: float) -> StoredRequest:
+            complete = functools.partial(self._complete_for_vllm, options=options or {})
+            return await self._run(self._register(req_id, wire), limit, deadline, complete)
+
+        return await self._measured(timeout, run)
+
+    async def _measured(self, timeout: float | None,
+                        run: Callable[[float, float], Awaitable[_T]]) -> _T:
+        """``run(limit, deadline)``, counted in the client's metrics."""
         limit = self.config.timeout if timeout is None else timeout
         started = trio.current_time()
-        deadline = started + limit
         try:
-            result = await self._encode(items, limit, deadline, req_id)
+            result = await run(limit, started + limit)
         except BaseException as exc:
             self.metrics.request(trio.current_time() - started, exc)
             raise
         self.metrics.request(trio.current_time() - started, None)
         return result
 
-    async def _encode(self, items: Mapping[str, Sequence[Any]], limit: float, deadline: float,
-                      req_id: str | None) -> EncodedRequest:
-        wire = await trio.to_thread.run_sync(to_wire_items, items) if is_heavy(items) \
-            else to_wire_items(items)
-        req = self._register(req_id, wire)
+    async def _run(self, req: LiveRequest, limit: float, deadline: float,
+                   complete: Callable[[LiveRequest], Awaitable[_T]]) -> _T:
+        """``complete(req)`` by ``deadline``; whatever ends it early aborts and unregisters."""
         try:
             with trio.move_on_at(deadline):
-                result = await self._complete(req)
+                result = await complete(req)
                 self._done += 1
                 return result
             raise EncodeTimeout(f"request {req.req_id} was not encoded within {limit:g} s",
@@ -296,7 +346,7 @@ class EncoderClient:
         )
 
     # ---- one request --------------------------------------------------------
-    def _register(self, req_id: str | None, wire: dict[str, list[str]]) -> LiveRequest:
+    def _register(self, req_id: str | None, wire: dict[str, list[Any]]) -> LiveRequest:
         """Plan the parts and make them findable by the demultiplexer (synchronously)."""
         self._still_open()  # the client may have closed while the items were converted
         if not self.router.encoders:
@@ -334,6 +384,38 @@ class EncoderClient:
                 return await self._receive_in_place(req, self.mooncake.session)
         assert req.failure is not None  # only fail() cancels req.scope
         raise req.failure
+
+    async def _complete_for_vllm(self, req: LiveRequest, options: Mapping[str, Any]) -> StoredRequest:
+        """Run the parts as vLLM chat requests; raises the first failure."""
+        stored: dict[int, Mapping[str, Any]] = {}
+        with req.scope:
+            async with trio.open_nursery() as nursery:
+                for state in req.parts:
+                    nursery.start_soon(self._store_part, req, state, options, stored)
+            if req.failure is None:
+                params = merge_transfer_params([stored[i] for i in sorted(stored)])
+                return StoredRequest(req.req_id, params, self._reports(req))
+        assert req.failure is not None  # only fail() cancels req.scope
+        raise req.failure
+
+    async def _store_part(self, req: LiveRequest, state: PartState, options: Mapping[str, Any],
+                          stored: dict[int, Mapping[str, Any]]) -> None:
+        part = state.part
+        try:
+            state.started = trio.current_time()
+            body = part_body([req.wire[part.modality][i] for i in part.item_indices], options)
+            headers = {"x-request-id": part_request_id(req.req_id, part.part_idx)}
+            response = await self.router.post(self._still_open(), req, state, body, path=CHAT_PATH,
+                                              headers=headers, retry_status=retryable)
+            if response.status_code != 200:
+                raise http_error(response, req.req_id, state.encoder_url, part.part_idx)
+            stored[part.part_idx] = transfer_params(response, part.part_idx, state.encoder_url)
+            state.finished = trio.current_time()
+        except EPDError as exc:
+            req.fail(exc)
+        finally:
+            state.answered = True  # answered, or its call ended (the encoder's abort): nothing to /abort
+            self.router.settle(state)
 
     async def _assemble(self, req: LiveRequest) -> EncodedRequest:
         """ZMQ and inline: copy the received parts into one slot (a seam fault plans wrap)."""

@@ -134,6 +134,11 @@ class GrpcChannels:
         for channel, _ in channels.values():
             channel.close()
 
+    @staticmethod
+    def serves(path: str) -> bool:
+        """Whether an HTTP ``path`` has an RPC here (the vLLM face's routes have none)."""
+        return path in _RPCS
+
     def _stub(self, url: str) -> pb_grpc.EncoderStub:
         if self._closed:
             raise RuntimeError("the gRPC channels are closed")

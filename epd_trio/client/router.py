@@ -3,9 +3,14 @@ and how many parts each encoder has out.
 
 It applies the pure tables of ``routing`` to the live state: ``plan`` places a
 request's parts and counts them out, ``settle`` counts one back, ``post`` sends
-one ``/encode`` and moves the part to the least-loaded encoder not yet tried on
-a connect error, ``abort`` tells encoders to drop the parts of a request that
-ended early. The encoder list is replaced whole (``set_encoders``), so a
+one part (``/encode``, or what ``path`` names) and moves it to the least-loaded
+encoder not yet tried on a connect error, ``abort`` tells encoders to drop the
+parts of a request that ended early. A part that may be sent twice
+(``retry_status``: the vLLM face's, whose answer only says its items are
+stored) also moves when its connection breaks mid-call or its encoder answers
+a status ``retry_status`` accepts (5xx: the encoder's failure, not the
+request's); a native part never does, since a second encoder could deliver it
+twice. The encoder list is replaced whole (``set_encoders``), so a
 request keeps the snapshot it was planned on; an encoder that leaves keeps its
 count while parts are still out there.
 """
@@ -59,7 +64,7 @@ def _refused_while_draining(answer: Answer) -> bool:
 class RouterStatistics:
     encoders: tuple[str, ...]
     outstanding: Mapping[str, int]  # parts in flight per encoder
-    retries: int  # parts moved to another encoder after a connect error or a draining refusal
+    retries: int  # parts moved to another encoder: a connect error, a draining refusal (see ``post``)
     aborts_sent: int  # /abort answered 200, or 404 (the encoder was already done)
     aborts_failed: int  # /abort unreachable or answered anything else
     aborts_unreleased: int = 0  # /abort answered 200 before its parts had let go
@@ -98,14 +103,13 @@ class Router:
         self._outstanding = {**{u: n for u, n in self._outstanding.items() if n},
                              **{u: self._outstanding.get(u, 0) for u in encoders}}
 
-    def _move(self, state: PartState, tried: list[str], exc: Exception) -> None:
+    def _move(self, state: PartState, tried: list[str], why: str) -> None:
         fallback = pick_fallback(self.encoders, self._outstanding, tried)
         if fallback is None:
             raise PeerUnavailable(
-                f"no encoder reachable for part {state.part.part_idx}: {state.encoder_url}:"
-                f" {type(exc).__name__}: {exc}")
-        log.warning("encoder %s unreachable (%s); part %d moves to %s",
-                    state.encoder_url, exc, state.part.part_idx, fallback)
+                f"no encoder reachable for part {state.part.part_idx}: {state.encoder_url}: {why}")
+        log.warning("encoder %s failed part %d (%s); it moves to %s",
+                    state.encoder_url, state.part.part_idx, why, fallback)
         self._outstanding[state.encoder_url] -= 1
         self._outstanding[fallback] += 1
         state.encoder_url = fallback
@@ -113,33 +117,47 @@ class Router:
 
     # ---- I/O ----------------------------------------------------------------------
     async def post(self, calls: EncoderCalls, req: LiveRequest, state: PartState,
-                   body: dict[str, Any], *,
-                   deliver: Callable[[str], Awaitable[dict[str, Any]]] | None = None) -> Answer:
-        """/encode for one part (HTTP or gRPC), whatever its status. A connect error, or a 503
+                   body: dict[str, Any], *, path: str = "/encode",
+                   headers: Mapping[str, str] | None = None,
+                   deliver: Callable[[str], Awaitable[dict[str, Any]]] | None = None,
+                   retry_status: Callable[[int], bool] | None = None) -> Answer:
+        """One part's call (HTTP or gRPC), whatever its status. A connect error, or a 503
         ``DrainingError`` (refused at admission: not taken at all) while another encoder is
-        left, moves the part. ``deliver(url)`` gives the body's ``deliver`` for each encoder
-        tried (where that one reaches us); it may raise ``EncoderUnreachable`` too."""
+        left, moves the part; with ``retry_status``, so do a call broken mid-way and a status
+        it accepts (with no other encoder left, that last answer is returned).
+        ``deliver(url)`` gives the body's ``deliver`` for each encoder tried (where that one
+        reaches us); it may raise ``EncoderUnreachable`` too."""
         tried: list[str] = []
         while True:
             try:
                 if deliver is not None:
                     body = {**body, "deliver": await deliver(state.encoder_url)}
                 state.posted = True
-                answer = await calls.post(state.encoder_url, "/encode", body)
-                if not _refused_while_draining(answer):
-                    return answer
-                # Not taken at all (a rolling update): as if it had never reached it.
-                if pick_fallback(self.encoders, self._outstanding, [*tried, state.encoder_url]) is None:
-                    return answer
-                raise EncoderDraining(f"{state.encoder_url} is draining")
+                answer = await calls.post(state.encoder_url, path, body, headers)
+                if _refused_while_draining(answer):
+                    # Not taken at all (a rolling update): as if it had never reached it.
+                    if pick_fallback(self.encoders, self._outstanding, [*tried, state.encoder_url]) is None:
+                        return answer
+                    raise EncoderDraining(f"{state.encoder_url} is draining")
             except (httpx.ConnectError, httpx.ConnectTimeout, EncoderUnreachable) as exc:
                 state.posted = False  # it never reached that encoder
                 tried.append(state.encoder_url)
-                self._move(state, tried, exc)
+                self._move(state, tried, f"{type(exc).__name__}: {exc}")
+                continue
             except httpx.HTTPError as exc:
-                raise PeerUnavailable(f"{state.encoder_url} failed part {state.part.part_idx} of"
-                                      f" {req.req_id}: {type(exc).__name__}: {exc}",
-                                      req_id=req.req_id) from None
+                if retry_status is None:
+                    raise PeerUnavailable(f"{state.encoder_url} failed part {state.part.part_idx}"
+                                          f" of {req.req_id}: {type(exc).__name__}: {exc}",
+                                          req_id=req.req_id) from None
+                tried.append(state.encoder_url)
+                self._move(state, tried, f"{type(exc).__name__}: {exc}")
+                continue
+            if retry_status is None or not retry_status(answer.status_code):
+                return answer
+            tried.append(state.encoder_url)
+            if pick_fallback(self.encoders, self._outstanding, tried) is None:
+                return answer
+            self._move(state, tried, f"HTTP {answer.status_code}")
 
     async def abort(self, calls: EncoderCalls, req: LiveRequest, timeout: float) -> bool:
         """Tell encoders to drop the parts they may still work on (best effort, shielded).

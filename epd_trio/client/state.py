@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 
@@ -61,7 +62,7 @@ class PartState:
 @dataclass(eq=False)
 class LiveRequest:
     req_id: str
-    wire: dict[str, list[str]]
+    wire: dict[str, list[Any]]  # per modality: data URIs (/encode) or content parts (vLLM)
     parts: list[PartState]
     scope: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope)
     failure: EPDError | None = None

@@ -36,8 +36,8 @@ from typing import Any
 import trio
 from werkzeug.exceptions import MethodNotAllowed
 
-from epd_trio._http import BearerAuth, Reply, face_error_reply, guarded_app, send_reply
-from epd_trio.errors import BodyTimeoutError, EPDError, PayloadTooLargeError
+from epd_trio._http import BearerAuth, Reply, face_error_reply, guarded_app, read_body, send_reply
+from epd_trio.errors import EPDError
 
 __all__ = ["ASGIApp", "BareRoutes", "ErrorReply", "Handler", "RouteLimits", "UntilGone",
            "cancelled_when_gone"]
@@ -118,26 +118,8 @@ class BareRoutes:
             self._auth.check(None if given is None else given.decode("latin-1"), scope["path"])
 
     async def _read_body(self, scope: dict[str, Any], receive: Any) -> bytes | None:
-        limit = self._limits.max_body_bytes
-        declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-        if declared is not None and int(declared) > limit:  # h11 has checked it is a number
-            raise PayloadTooLargeError("request body is over the size limit")
-        chunks: list[bytes] = []
-        size = 0
-        with trio.move_on_after(self._limits.body_timeout):
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return None
-                chunk = message.get("body", b"")
-                if chunk:
-                    size += len(chunk)
-                    if size > limit:
-                        raise PayloadTooLargeError("request body is over the size limit")
-                    chunks.append(bytes(chunk))
-                if not message.get("more_body", False):
-                    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        raise BodyTimeoutError(f"the request body did not arrive within {self._limits.body_timeout:g} s")
+        return await read_body(scope, receive, max_bytes=self._limits.max_body_bytes,
+                               timeout=self._limits.body_timeout)
 
 
 class _Client:

@@ -27,6 +27,7 @@ import time
 import uuid as uuid_module
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Final
 from urllib.parse import unquote, urlsplit
 
@@ -37,6 +38,7 @@ from epd_trio.protocol.requests import Delivery, EncodeMeta, EncodeRequest, vali
 
 __all__ = [
     "DELIVERIES",
+    "MEDIA_PART_TYPES",
     "ChatItem",
     "ChatRequest",
     "EcParams",
@@ -51,6 +53,8 @@ __all__ = [
 
 DELIVERIES: Final = ("vllm_storage", "vllm_mooncake")  # the deliveries this face's requests name
 _PARTS: Final = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
+# Every content part type an encoder instance encodes, and its modality.
+MEDIA_PART_TYPES: Final = MappingProxyType({**_PARTS, "input_audio": "audio"})
 _IGNORED: Final = ("text", "input_text", "refusal", "thinking")
 _MAX_UUID: Final = 256
 # vLLM's per-item metadata for the families this encoder serves; other keys are not published.

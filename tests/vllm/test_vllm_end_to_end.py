@@ -10,15 +10,15 @@ no cache of vLLM's can answer for the other run). Greedy tokens must be
 equal, vLLM's log must say it loaded our file, and all-zero embeddings under
 another name must change the tokens.
 
-Not covered here: audio. vLLM's CPU build serves Qwen2-Audio, but a second
-server would double this module's time; the audio hash is checked against
-vLLM's own hasher in ``test_vllm_hash.py``.
+Audio is ``test_vllm_proxy_audio.py`` (vLLM's CPU build serves Qwen2-Audio, from
+a server of its own); the audio hash is checked against vLLM's own hasher in
+``test_vllm_hash.py``.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ from epd_trio.model.samples import sample_video
 from epd_trio.model.tiny import make_tiny_model, servable_spec
 
 from conftest import data_uri, png_bytes
-from vllm_harness import VllmEnv, VllmServer, vllm_consumer, vllm_env  # noqa: F401  (the fixture)
+from vllm_harness import VllmServer, storage, vllm, vllm_env  # noqa: F401  (the fixtures)
 
 pytestmark = pytest.mark.slow
 TOKENS = 8
@@ -43,18 +43,6 @@ TOKENS = 8
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("servable") / "qwen2_5_vl", servable_spec(seed=3)))
-
-
-@pytest.fixture(scope="module")
-def storage(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("ec-storage")
-
-
-@pytest.fixture(scope="module")
-def vllm(vllm_env: VllmEnv, model: str, storage: Path,  # noqa: F811
-         tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    with vllm_consumer(vllm_env, model, storage, tmp_path_factory.mktemp("logs") / "vllm.log") as server:
-        yield server
 
 
 async def _encoder(model: str, storage: Path) -> Any:

@@ -5,6 +5,8 @@ vLLM lives in ``<repo>/.vllm`` (or ``EPD_VLLM_DIR``), a venv built by
 take the ``vllm_env`` fixture (imported from here: a ``conftest.py`` in this
 folder would shadow ``tests/conftest.py``). Without the environment they
 skip, unless ``EPD_REQUIRE_VLLM=1`` (CI), where a missing or stale one fails.
+A module that imports the ``storage`` and ``vllm`` fixtures too, and defines a
+``model`` fixture (a checkpoint path), gets one vLLM server for all its tests.
 
 ``VllmServer`` starts ``vllm.entrypoints.openai.api_server`` on a free port
 as an EC consumer of a shared-storage directory, with the settings its CPU
@@ -21,7 +23,7 @@ import os
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +87,20 @@ def vllm_env() -> VllmEnv:
     if os.environ.get("EPD_REQUIRE_VLLM") == "1":
         pytest.fail(problem)
     pytest.skip(problem)
+
+
+@pytest.fixture(scope="module")
+def storage(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The module's shared-storage directory (the EC connectors' ``shared_storage_path``)."""
+    return tmp_path_factory.mktemp("ec-storage")
+
+
+@pytest.fixture(scope="module")
+def vllm(vllm_env: VllmEnv, model: str, storage: Path,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """The module's vLLM server, an EC consumer of ``storage``, serving the module's ``model``."""
+    with vllm_consumer(vllm_env, model, storage, tmp_path_factory.mktemp("logs") / "vllm.log") as server:
+        yield server
 
 
 def free_port() -> int:
