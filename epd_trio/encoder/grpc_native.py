@@ -12,7 +12,7 @@ from epd_trio._http import BearerAuth
 from epd_trio._version import __version__
 from epd_trio.encoder.grpc_bridge import Call, TrioBridge, Undecodable, decoded, unary
 from epd_trio.encoder.service import EncoderService
-from epd_trio.errors import EPDError, PayloadTooLargeError
+from epd_trio.errors import PayloadTooLargeError
 from epd_trio.protocol.grpc_messages import encode_body, meta_message
 from epd_trio.protocol.proto import encoder_pb2 as pb
 from epd_trio.protocol.proto import encoder_pb2_grpc as pb_grpc
@@ -31,14 +31,11 @@ class _Native:
 
     async def encode(self, message: pb.EncodeRequest | Undecodable, call: Call) -> pb.EncodeResponse:
         config = self.service.config
-        try:
+        with self.service.parsing():
             # grpcio's own limit is max(256 MiB, --max-body-bytes); ours is HTTP's, with HTTP's words.
             if decoded(message).ByteSize() > config.max_body_bytes:
                 raise PayloadTooLargeError(BODY_TOO_LARGE)
             request = parse_encode_request(encode_body(message), max_items=config.max_items)
-        except EPDError as exc:
-            self.service.metrics.request("unknown", exc)  # as HTTP: the modality is not to be trusted
-            raise
         answer = await self.service.encode(request, deadline=call.request_deadline)
         return pb.EncodeResponse(meta=meta_message(answer.meta), safetensors=answer.body or b"",
                                  nbytes=answer.nbytes or 0)

@@ -25,9 +25,9 @@ from smg_grpc_proto import sglang_encoder_pb2_grpc as pb_grpc
 from epd_trio._http import BearerAuth
 from epd_trio.encoder.grpc_bridge import Call, TrioBridge, decoded, unary
 from epd_trio.encoder.service import EncoderService
-from epd_trio.errors import ConflictError, EPDError, RequestError, UnknownRequestError
 from epd_trio.protocol.grpc_messages import sglang_encode_body
-from epd_trio.protocol.sglang_requests import parse_receive_url, parse_sglang_encode, parse_sglang_send
+from epd_trio.protocol.sglang_requests import (check_send, parse_receive_url, parse_sglang_encode,
+                                               parse_sglang_send)
 
 __all__ = ["SERVICE_NAME", "sglang_servicer"]
 
@@ -41,12 +41,9 @@ class _SGLang:
     async def encode(self, message: Any, call: Call) -> Any:
         config = self.service.config
         backend = config.encoder_transfer_backend
-        try:
+        with self.service.parsing():
             request = parse_sglang_encode(sglang_encode_body(decoded(message), backend), backend=backend,
                                           max_items=config.max_items)
-        except EPDError as exc:
-            self.service.metrics.request("unknown", exc)  # counted as every face counts a refusal
-            raise
         answer = await self.service.encode(request, deadline=call.request_deadline)
         if answer.nbytes is None:
             return pb.EncodeResponse()  # every destination has the part
@@ -60,21 +57,11 @@ class _SGLang:
         second is being refused, ALREADY_EXISTS), the size ``Encode`` answered, and
         ``receive_count`` 1. Unlike SGLang's server, which answers OK without writing, a
         ``Send`` for no live part is NOT_FOUND."""
-        config, rendezvous = self.service.config, self.service.deliveries.rendezvous
-        if config.encoder_transfer_backend != "mooncake":
-            raise RequestError(f"Send is the mooncake transfer backend's; this encoder serves "
-                               f"{config.encoder_transfer_backend}, whose Encode delivers",
-                               req_id=message.req_id or None)
-        parts = [s.part_idx for s in self.service.registry.live() if s.req_id == message.req_id]
-        if not parts:
-            raise UnknownRequestError(f"no live request {message.req_id!r}", req_id=message.req_id)
-        if len(parts) > 1:  # the rendezvous is failing all but one: which one is not known yet
-            raise ConflictError(f"parts {sorted(parts)} of {message.req_id!r} are live; SGLang's "
-                                "Send names no part", req_id=message.req_id)
-        sizes = await rendezvous.wait_sizes(message.req_id, timeout=config.send_timeout)
+        check_send(self.service.config.encoder_transfer_backend, message.req_id or None)
+        part_idx, nbytes = await self.service.sole_part(message.req_id)
         order = parse_sglang_send({
-            "req_id": message.req_id, "part_idx": parts[0], "session_id": message.session_id,
-            "buffer_address": message.buffer_address, "embedding_size": sizes["embedding_size"],
+            "req_id": message.req_id, "part_idx": part_idx, "session_id": message.session_id,
+            "buffer_address": message.buffer_address, "embedding_size": nbytes,
             "prefill_host": message.prefill_host, "embedding_port": message.embedding_port,
             "receive_count": 1})
         await self.service.send(order.req_id, order.part_idx, session=order.session,
@@ -85,8 +72,7 @@ class _SGLang:
     async def scheduler_receive_url(self, message: Any, call: Call) -> Any:
         reg = parse_receive_url({"req_id": message.req_id, "receive_count": message.receive_count,
                                  "receive_url": message.receive_url})
-        await self.service.deliveries.rendezvous.register(
-            reg.req_id, reg.receive_count, reg.receive_url, timeout=self.service.config.request_timeout)
+        await self.service.announce_receiver(reg.req_id, reg.receive_count, reg.receive_url)
         return pb.SchedulerReceiveUrlResponse()
 
 

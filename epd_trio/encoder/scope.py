@@ -290,6 +290,10 @@ class ScopeRegistry:
         except KeyError:
             raise UnknownRequestError(f"no live request {key[0]!r} part {key[1]}", req_id=key[0]) from None
 
+    def parts_of(self, req_id: str) -> list[int]:
+        """The live parts of ``req_id``, in order."""
+        return sorted(part for rid, part in self._live if rid == req_id)
+
     def abort(self, req_id: str, part_idx: int | None, reason: EPDError) -> list[RequestScope]:
         """Cancel the matching scopes and return them, with the released ones whose
         writes may still land (404 when there are none of either)."""

@@ -1,10 +1,13 @@
 """The encoder service: the protocol-neutral runtime that every face calls.
 
-A face (native HTTP, SGLang, gRPC) parses its protocol, builds nothing but
-the request, and calls ``encode`` / ``send`` / ``abort`` / ``check_health`` /
-``statistics``. Each accepted request becomes a **request scope**
-(``encoder.scope``) run by ``_lifecycle`` in the service's request nursery,
-and its embedding leaves through a **delivery**
+A face (native HTTP, SGLang, vLLM, gRPC) parses its protocol inside
+``parsing()`` (the one path by which a refused request is counted), builds
+nothing but the request, and calls ``encode`` / ``send`` / ``abort`` /
+``check_health`` / ``statistics``; SGLang's faces also reach the rendezvous
+their receivers keep through ``announce_receiver`` / ``part_sizes`` /
+``send_announced`` / ``sole_part``. Each accepted request becomes a **request
+scope** (``encoder.scope``) run by ``_lifecycle`` in the service's request
+nursery, and its embedding leaves through a **delivery**
 (``epd_trio.delivery``) built from the request by ``delivery_for``. The
 lifecycle never names a backend: what differs between transports is behind
 the delivery's three calls.
@@ -14,8 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -38,12 +41,14 @@ from epd_trio.encoder.scope import Phase, RequestScope, ScopeRegistry
 from epd_trio.engine import Engine, ModelInfo
 from epd_trio.errors import (
     AbortedError,
+    ConflictError,
     DeadlineExceeded,
     DrainingError,
     EncodeError,
     EPDError,
     NotReadyError,
     RequestError,
+    UnknownRequestError,
 )
 from epd_trio.protocol.requests import EncodeMeta, EncodeRequest
 
@@ -171,6 +176,56 @@ class EncoderService:
             raise RequestError(f"request {req_id!r} part {part_idx} is not a Mooncake delivery",
                                req_id=req_id)
         return await delivery.take_order(session, address, length, **order)
+
+    @contextmanager
+    def parsing(self) -> Iterator[None]:
+        """Around a face's parsing of a request: an ``EPDError`` raised inside refuses it, and is
+        counted here, as every face's refusals are (modality ``unknown``: the body's is not to
+        be trusted), then raised on for the face to answer."""
+        try:
+            yield
+        except EPDError as exc:
+            self.metrics.request("unknown", exc)
+            raise
+
+    # ---- receivers that announce themselves (SGLang's rendezvous) -------------
+    async def announce_receiver(self, req_id: str, receive_count: int, destination: str) -> None:
+        """One of ``receive_count`` receivers of part ``req_id`` says where it takes the part,
+        before or after its ``encode``; returns once a delivery holds it (``Rendezvous.register``:
+        none within ``request_timeout`` is a 504)."""
+        await self.deliveries.rendezvous.register(req_id, receive_count, destination,
+                                                  timeout=self.config.request_timeout)
+
+    async def part_sizes(self, req_id: str) -> dict[str, int]:
+        """Part ``req_id``'s sizes, once its preprocessing knows them (within ``request_timeout``);
+        its error if it failed first."""
+        return await self.deliveries.rendezvous.wait_sizes(req_id, timeout=self.config.request_timeout)
+
+    async def send_announced(self, req_id: str, part_idx: int, *, session: str, address: int,
+                             length: int, **order: Any) -> int:
+        """``send`` for a part the rendezvous knows: one already released answers how it ended."""
+        try:
+            return await self.send(req_id, part_idx, session=session, address=address, length=length,
+                                   **order)
+        except UnknownRequestError:
+            self.deliveries.rendezvous.check_not_ended(req_id)
+            raise
+
+    async def sole_part(self, req_id: str) -> tuple[int, int]:
+        """``(part_idx, nbytes)`` of the one live part of ``req_id``, once its size is known
+        (within ``send_timeout``): for an order that names neither (SGLang's gRPC ``Send``).
+
+        No live part is a 404; more than one a 409 (the rendezvous is failing all but one, and
+        which one is not known yet).
+        """
+        parts = self.registry.parts_of(req_id)
+        if not parts:
+            raise UnknownRequestError(f"no live request {req_id!r}", req_id=req_id)
+        if len(parts) > 1:
+            raise ConflictError(f"parts {parts} of {req_id!r} are live; SGLang's Send names no part",
+                                req_id=req_id)
+        sizes = await self.deliveries.rendezvous.wait_sizes(req_id, timeout=self.config.send_timeout)
+        return parts[0], sizes["embedding_size"]
 
     async def abort(self, req_id: str, part_idx: int | None) -> AbortResult:
         """Cancel the matching scopes and wait (up to ``send_timeout``) until they are released.

@@ -17,27 +17,26 @@ drives it exactly as it drives SGLang's own ``--encoder-only`` server:
 
 Errors are SGLang's shape, ``{"status": "error", "message", "req_id"}``, with
 the status from ``epd_trio.errors.http_status``. Thin like ``app.py``: bodies
-are parsed by ``epd_trio.protocol.sglang_requests``, work is the service's,
-the destinations and sizes table is the deliveries' rendezvous.
+are parsed by ``epd_trio.protocol.sglang_requests``, work is the service's
+(the destinations and sizes its ``announce_receiver`` and ``part_sizes``
+keep), and what every HTTP face shares is ``encoder.http_face``'s.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import trio
-from quart import Response, request
+from quart import Response
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from epd_trio._http import Reply, as_response, json_reply, json_response, parse_json_off_loop, with_allow
-from epd_trio.encoder.app import access_control, add_shared_routes, bare_routes
+from epd_trio._http import Reply, as_response, install_error_handlers, json_reply, json_response, with_allow
 from epd_trio.encoder.asgi_route import BareRoutes, Handler, UntilGone, cancelled_when_gone
+from epd_trio.encoder.http_face import JsonBodies, add_shared_routes, bare_routes, quart_app
 from epd_trio.encoder.profiling import parse_profile_request
 from epd_trio.encoder.service import EncoderService
-from epd_trio.errors import EPDError, PayloadTooLargeError, UnknownRequestError, error_body, http_status
+from epd_trio.errors import EPDError, PayloadTooLargeError, error_body, http_status
 from epd_trio.protocol.requests import parse_json_body
 from epd_trio.protocol.sglang_requests import (
     parse_meta_request,
@@ -47,8 +46,6 @@ from epd_trio.protocol.sglang_requests import (
 )
 
 __all__ = ["create_sglang_app", "sglang_error"]
-
-log = logging.getLogger(__name__)
 
 # SGLang's ProfileReq fields this encoder reads; the others (activities, ...) are ignored.
 _PROFILE_FIELDS = ("output_dir", "num_steps")
@@ -76,35 +73,28 @@ def _parse_body(raw: bytes) -> dict[str, Any]:
     return {} if empty else parse_json_body(raw)
 
 
-async def _body(threads: trio.CapacityLimiter) -> dict[str, Any]:
-    return await parse_json_off_loop(await request.get_data(cache=False), threads, _parse_body)
-
-
 def create_sglang_app(service: EncoderService) -> BareRoutes:
     """One app per service: no module-level state. The data path's routes are served in
     front of Quart, as the native face's are (``encoder.asgi_route``)."""
-    app = QuartTrio(__name__)
-    app.config["MAX_CONTENT_LENGTH"] = service.config.max_body_bytes
-    app.config["BODY_TIMEOUT"] = service.config.request_timeout
-    access_control(app, service.config)
-    _operation_routes(app, service)
-    add_shared_routes(app, service)
-    _error_handlers(app)
-    return bare_routes(app, service.config, _data_routes(service), sglang_error_reply)
+    app, bodies = quart_app(__name__, service.config), JsonBodies()
+    _operation_routes(app, service, bodies)
+    add_shared_routes(app, service, bodies)
+    install_error_handlers(app, "SGLang-face", respond=sglang_error)
+    return bare_routes(app, service.config, _data_routes(service, bodies), sglang_error_reply)
 
 
-def encode_handler(service: EncoderService) -> Handler:
+def encode_handler(service: EncoderService, bodies: JsonBodies) -> Handler:
     """SGLang's ``POST /encode``: its body in; null, or the sizes SGLang reserves, out."""
     config = service.config
 
     async def encode(raw: bytes, until_gone: UntilGone) -> Reply:
         body: dict[str, Any] = {}
         try:
-            body = await parse_json_off_loop(raw, service.deliveries.threads, _parse_body)
-            req = parse_sglang_encode(body, backend=config.encoder_transfer_backend,
-                                      max_items=config.max_items)
+            with service.parsing():
+                body = await bodies.parse(raw, _parse_body)
+                req = parse_sglang_encode(body, backend=config.encoder_transfer_backend,
+                                          max_items=config.max_items)
         except EPDError as exc:
-            service.metrics.request("unknown", exc)
             return sglang_error_reply(exc, body.get("req_id"))
         try:
             answer = await service.encode(req, until_gone=until_gone)
@@ -119,11 +109,11 @@ def encode_handler(service: EncoderService) -> Handler:
     return encode
 
 
-def _data_route(service: EncoderService, answer: Callable[[dict[str, Any]], Awaitable[Any]]) -> Handler:
+def _data_route(bodies: JsonBodies, answer: Callable[[dict[str, Any]], Awaitable[Any]]) -> Handler:
     """A JSON route of the data path: ``answer(body)`` is the JSON answer, an error SGLang's shape."""
 
     async def route(raw: bytes) -> Reply:
-        body = await parse_json_off_loop(raw, service.deliveries.threads, _parse_body)
+        body = await bodies.parse(raw, _parse_body)
         try:
             return json_reply(await answer(body))
         except EPDError as exc:
@@ -132,37 +122,32 @@ def _data_route(service: EncoderService, answer: Callable[[dict[str, Any]], Awai
     return cancelled_when_gone(route)
 
 
-def _data_routes(service: EncoderService) -> dict[str, Handler]:
+def _data_routes(service: EncoderService, bodies: JsonBodies) -> dict[str, Handler]:
     """Every route SGLang calls per request: served in front of Quart."""
-    config = service.config
 
     async def scheduler_receive_url(body: dict[str, Any]) -> None:
         reg = parse_receive_url(body)
-        await service.deliveries.rendezvous.register(
-            reg.req_id, reg.receive_count, reg.receive_url, timeout=config.request_timeout)
+        await service.announce_receiver(reg.req_id, reg.receive_count, reg.receive_url)
 
     async def scheduler_receive_meta_data(body: dict[str, Any]) -> dict[str, Any]:
         req_id, part_idx = parse_meta_request(body)
-        sizes = await service.deliveries.rendezvous.wait_sizes(req_id, timeout=config.request_timeout)
+        sizes = await service.part_sizes(req_id)
         return {"req_id": req_id, "part_idx": part_idx, **sizes}
 
     async def send(body: dict[str, Any]) -> None:
         order = parse_sglang_send(body)
-        try:
-            await service.send(order.req_id, order.part_idx, session=order.session,
-                               address=order.buffer_address, length=order.length,
-                               completion=order.completion, receive_count=order.receive_count)
-        except UnknownRequestError:  # released: say how it ended, as SGLang's error record does
-            service.deliveries.rendezvous.check_not_ended(order.req_id)
-            raise
+        # A part already released answers how it ended, as SGLang's error record does.
+        await service.send_announced(order.req_id, order.part_idx, session=order.session,
+                                     address=order.buffer_address, length=order.length,
+                                     completion=order.completion, receive_count=order.receive_count)
 
-    return {"/encode": encode_handler(service),
-            "/scheduler_receive_url": _data_route(service, scheduler_receive_url),
-            "/scheduler_receive_meta_data": _data_route(service, scheduler_receive_meta_data),
-            "/send": _data_route(service, send)}
+    return {"/encode": encode_handler(service, bodies),
+            "/scheduler_receive_url": _data_route(bodies, scheduler_receive_url),
+            "/scheduler_receive_meta_data": _data_route(bodies, scheduler_receive_meta_data),
+            "/send": _data_route(bodies, send)}
 
 
-def _operation_routes(app: QuartTrio, service: EncoderService) -> None:
+def _operation_routes(app: QuartTrio, service: EncoderService, bodies: JsonBodies) -> None:
     @app.get("/health")
     @app.get("/health_generate")
     async def health() -> Response:
@@ -172,7 +157,7 @@ def _operation_routes(app: QuartTrio, service: EncoderService) -> None:
 
     @app.route("/start_profile", methods=["GET", "POST"])
     async def start_profile() -> Response:
-        body = await _body(service.deliveries.threads)
+        body = await bodies.of_request(_parse_body)
         output_dir, num_steps = parse_profile_request({k: body[k] for k in _PROFILE_FIELDS
                                                        if body.get(k) is not None})
         target = service.profiler.start(output_dir, num_steps)
@@ -182,20 +167,3 @@ def _operation_routes(app: QuartTrio, service: EncoderService) -> None:
     async def stop_profile() -> Response:
         trace = await service.profiler.stop()
         return Response(f"Stop profiling. trace={trace}\n", status=200, mimetype="text/plain")
-
-
-def _error_handlers(app: QuartTrio) -> None:
-    """Ours, Quart's (404, 405, 413) and bugs, all in SGLang's error shape."""
-
-    @app.errorhandler(EPDError)
-    async def epd_error(exc: EPDError) -> Response:
-        return sglang_error(exc)
-
-    @app.errorhandler(HTTPException)
-    async def http_error(exc: HTTPException) -> Response:
-        return sglang_error(exc)
-
-    @app.errorhandler(Exception)
-    async def bug(exc: Exception) -> Response:
-        log.exception("unhandled error in an SGLang-face handler")
-        return sglang_error(exc)

@@ -5,16 +5,17 @@ to an encoder instance's ``POST /v1/chat/completions`` and waits for 200
 before it forwards the original request to a prefill/decode instance started
 with ``--ec-transfer-config`` (``ec_role: ec_consumer``). This face is such an
 instance: it writes each item's embedding where that consumer's EC connector
-looks for it (``delivery.vllm_storage``), or pushes it into the memory of the
-consumer the request names (``delivery.vllm_mooncake``), under the item's
+looks for it, or pushes it into the memory of the consumer the request names
+(``protocol.vllm_requests.EcProducer`` says which), under the item's
 ``mm_hash``, and answers as vLLM's producer does (a chat completion with
 ``ec_transfer_params``).
 
 Routes: ``POST /v1/chat/completions`` (``x-request-id`` honoured and echoed),
 ``GET /v1/models``, ``GET /health``, ``POST /start_profile`` and
 ``/stop_profile``; ``/abort``, ``/model_info``, ``/stats`` and ``/metrics`` as
-the native face serves them. Errors are OpenAI's JSON error object with the
-status from ``epd_trio.errors.http_status``, never a traceback.
+the native face serves them (``encoder.http_face``). Errors are OpenAI's JSON
+error object with the status from ``epd_trio.errors.http_status``, never a
+traceback.
 
 The model id inside every ``mm_hash`` is ``--vllm-model`` (the consumer's
 ``--model`` string, by default ``--model-path`` as given); requests may name
@@ -31,19 +32,14 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from epd_trio._http import (
-    BearerAuth,
-    JoinedBodyRequest,
-    install_error_handlers,
-    json_response,
-    parse_json_off_loop,
-)
-from epd_trio.encoder.app import access_control, add_shared_routes
+from epd_trio._http import BearerAuth, JoinedBodyRequest, install_error_handlers, json_response
+from epd_trio.encoder.http_face import JsonBodies, add_shared_routes, quart_app
 from epd_trio.encoder.profiling import parse_profile_request
 from epd_trio.encoder.service import EncoderService
 from epd_trio.encoder.vllm_items import VllmItems
 from epd_trio.errors import EPDError, PayloadTooLargeError, UnknownRequestError
 from epd_trio.protocol.vllm_requests import (
+    EcProducer,
     chat_completion,
     ec_transfer_params,
     openai_error,
@@ -87,11 +83,8 @@ def _with_id(response: Response, request_id: str | None) -> Response:
 def create_vllm_app(service: EncoderService) -> QuartTrio:
     """One app per service: no module-level state."""
     config = service.config
-    app = QuartTrio(__name__)
+    app, bodies = quart_app(__name__, config), JsonBodies()
     app.request_class = JoinedBodyRequest  # large bodies copied once, not per chunk
-    app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
-    app.config["BODY_TIMEOUT"] = config.request_timeout
-    access_control(app, config)
     if config.require_auth_for_encode:
         auth = BearerAuth(config.auth_token)
 
@@ -102,29 +95,27 @@ def create_vllm_app(service: EncoderService) -> QuartTrio:
 
     model_id = vllm_model_id(service)
     served = config.served_model_name or model_id
-    ec = config.vllm_ec
-    push = ec is not None and ec.storage_path is None
+    producer = EcProducer.of(config.vllm_ec)
     log.info("vLLM face: mm_hash model id %r (must equal the consumer's --model), served as %r, %s",
-             model_id, served, f"{ec.connector} ({ec.mooncake_protocol})" if ec is not None and push
-             else f"shared storage {config.vllm_storage_path}")
-    _chat_route(app, service, VllmItems(service, model_id, config.mm_hasher_algorithm, push=push), served)
+             model_id, served, producer.described)
+    items = VllmItems(service, model_id, config.mm_hasher_algorithm, producer)
+    _chat_route(app, service, bodies, items, served)
     _operation_routes(app, service, served, model_id)
-    add_shared_routes(app, service)
+    add_shared_routes(app, service, bodies)
     install_error_handlers(app, "vLLM-face", respond=error_response)
     return app
 
 
-def _chat_route(app: QuartTrio, service: EncoderService, items: VllmItems, served: str) -> None:
+def _chat_route(app: QuartTrio, service: EncoderService, bodies: JsonBodies, items: VllmItems,
+                served: str) -> None:
     @app.post(CHAT_PATH)
     async def chat_completions() -> Response:
         header_id = request.headers.get("x-request-id")
         try:
-            raw = await request.get_data(cache=False)
-            body = await parse_json_off_loop(raw, service.deliveries.threads)
-            chat = parse_chat_request(body, header_request_id=header_id,
-                                      max_items=service.config.max_items)
+            with service.parsing():
+                chat = parse_chat_request(await bodies.of_request(), header_request_id=header_id,
+                                          max_items=service.config.max_items)
         except EPDError as exc:
-            service.metrics.request("unknown", exc)
             return error_response(exc, header_id)
         try:
             if chat.model is not None and chat.model != served:

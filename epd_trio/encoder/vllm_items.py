@@ -7,10 +7,11 @@ The vLLM face (``vllm_app``) parses; this module does the work in between:
 2. each item without a ``uuid`` is named the way the vLLM consumer will name
    it (``model.vllm_media`` finds what vLLM's loaders would report, in a
    thread; ``protocol.vllm_hash`` digests it);
-3. one request per modality goes to the service, with the delivery of the
-   configured connector (``delivery.vllm_storage``, or ``delivery.vllm_mooncake``
-   with the consumer and the items' ``transfer_id``s the request names),
-   concurrently; the first failure cancels the others.
+3. one request per modality goes to the service, with the delivery the
+   configured connector takes (``protocol.vllm_requests.EcProducer``: written
+   to shared storage, or pushed to the consumer the request names under the
+   ``transfer_id``s it names), concurrently; the first failure cancels the
+   others.
 
 The whole of it runs under ``--request-timeout``.
 """
@@ -20,21 +21,24 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import trio
 
 from epd_trio.encoder.service import EncoderService
-from epd_trio.errors import DeadlineExceeded, EPDError, RequestError
+from epd_trio.errors import DeadlineExceeded, EPDError
 from epd_trio.model.media import MediaLimits
 from epd_trio.model.vllm_media import VllmMediaRules, hash_input, rules_for
-from epd_trio.protocol.requests import Delivery, EncodeMeta
+from epd_trio.protocol.requests import EncodeMeta
 from epd_trio.protocol.vllm_hash import item_hash
-from epd_trio.protocol.vllm_requests import DELIVERIES, ChatItem, ChatRequest, item_request, transfer_ids
+from epd_trio.protocol.vllm_requests import ChatItem, ChatRequest, EcProducer, item_request, transfer_ids
 
-__all__ = ["EncodedChat", "VllmItems"]
+__all__ = ["HASH_THREADS", "EncodedChat", "VllmItems"]
 
 log = logging.getLogger(__name__)
+
+# Items hashed at once, each on a worker thread (each decodes what vLLM would have decoded).
+HASH_THREADS: Final = 2
 
 
 @dataclass(frozen=True)
@@ -50,34 +54,33 @@ class EncodedChat:
 class VllmItems:
     """Names and encodes the items of vLLM chat requests for one service."""
 
-    def __init__(self, service: EncoderService, model_id: str, algorithm: str, *, push: bool = False) -> None:
+    def __init__(self, service: EncoderService, model_id: str, algorithm: str, producer: EcProducer) -> None:
         self.service = service
         self.model_id = model_id
         self.algorithm = algorithm
-        self.push = push  # ECMooncakeConnector: to the consumer the request names
+        self.producer = producer
+        self.threads = trio.CapacityLimiter(HASH_THREADS)
         extractor = service.engine.encoder.processors.get("audio")
         self.rules: VllmMediaRules = rules_for(service.model_info.model_type,
                                                int(getattr(extractor, "sampling_rate", 16000)))
 
     async def encode(self, chat: ChatRequest) -> EncodedChat:
         timeout = self.service.config.request_timeout
-        if self.push and chat.ec.consumer_zmq is None:
-            raise RequestError("this encoder pushes to vLLM's ECMooncakeConnector: the request needs "
-                               "ec_transfer_params.consumer_zmq, the consumer's control address",
-                               req_id=chat.request_id)
+        self.producer.check(chat)
         try:
             with trio.fail_after(timeout):
                 loaded = await self.service.engine.media.load([item.source for item in chat.items])
                 hashes = await trio.to_thread.run_sync(self._hashes, chat.items, loaded,
-                                                       limiter=self.service.deliveries.threads)
+                                                       limiter=self.threads)
                 ids = transfer_ids(chat, hashes)
                 metas = await self._encode_groups(chat, loaded, hashes, [tid for tid, _ in ids])
         except trio.TooSlowError:
             raise DeadlineExceeded(f"request exceeded its deadline (--request-timeout {timeout} s)",
                                    req_id=chat.request_id) from None
         log.info("request %s: %d items %s for vLLM as %s", chat.request_id, len(hashes),
-                 f"pushed to {chat.ec.consumer_zmq}" if self.push else "written", ", ".join(hashes))
-        return EncodedChat(tuple(hashes), metas, tuple(ids) if self.push else ())
+                 f"pushed to {chat.ec.consumer_zmq}" if self.producer.pushes else "written",
+                 ", ".join(hashes))
+        return EncodedChat(tuple(hashes), metas, self.producer.answered_ids(ids))
 
     def _hashes(self, items: Sequence[ChatItem], loaded: Sequence[Any]) -> list[str]:
         """Each item's ``mm_hash`` (blocking: decodes what vLLM would have decoded)."""
@@ -88,12 +91,6 @@ class VllmItems:
                           algorithm=self.algorithm)
                 for item, data in zip(items, loaded, strict=True)]
 
-    def _delivery(self, chat: ChatRequest, items: list[ChatItem], ids: Sequence[str]) -> Delivery:
-        if not self.push:
-            return Delivery(DELIVERIES[0])
-        assert chat.ec.consumer_zmq is not None  # encode() checked
-        return Delivery(DELIVERIES[1], (chat.ec.consumer_zmq,), transfer_ids=tuple(ids[i.index] for i in items))
-
     async def _encode_groups(self, chat: ChatRequest, loaded: Sequence[Any], hashes: Sequence[str],
                              ids: Sequence[str]) -> dict[str, EncodeMeta]:
         groups = chat.by_modality()
@@ -103,7 +100,7 @@ class VllmItems:
         async def one(part_idx: int, modality: str, items: list[ChatItem]) -> None:
             request = item_request(chat.request_id, modality, [loaded[i.index] for i in items],
                                    [hashes[i.index] for i in items], part_idx, len(groups),
-                                   self._delivery(chat, items, ids))
+                                   self.producer.delivery(chat, items, ids))
             try:
                 metas[modality] = (await self.service.encode(request)).meta
             except EPDError as exc:

@@ -29,6 +29,7 @@ __all__ = [
     "MAX_RECEIVE_COUNT",
     "ReceiveUrl",
     "SGLangSend",
+    "check_send",
     "parse_host_port",
     "parse_meta_request",
     "parse_receive_url",
@@ -164,6 +165,14 @@ def _destinations(body: dict[str, Any], backend: str) -> Delivery:
     shown = f"[{host}]" if ":" in host else host
     endpoints = tuple(dict.fromkeys(parse_host_port(f"{shown}:{p}", "prefill_host") for p in ports))
     return Delivery("sglang_zmq", endpoints, len(endpoints))
+
+
+def check_send(backend: str, req_id: str | None) -> None:
+    """SGLang's ``Send`` (gRPC) belongs to its mooncake ``backend``; with a zmq one ``Encode``
+    delivers, and a ``Send`` is a 400."""
+    if backend != "mooncake":
+        raise RequestError(f"Send is the mooncake transfer backend's; this encoder serves "
+                           f"{backend}, whose Encode delivers", req_id=req_id)
 
 
 def parse_sglang_encode(body: dict[str, Any], *, backend: str, max_items: int) -> EncodeRequest:

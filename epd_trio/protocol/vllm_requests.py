@@ -31,6 +31,7 @@ from types import MappingProxyType
 from typing import Any, Final
 from urllib.parse import unquote, urlsplit
 
+from epd_trio.config import EcTransfer
 from epd_trio.errors import RequestError, error_body, http_status
 from epd_trio.protocol.messages import MAX_REQ_ID
 from epd_trio.protocol.requests import Delivery, EncodeMeta, EncodeRequest, validate_endpoint
@@ -41,6 +42,7 @@ __all__ = [
     "ChatItem",
     "ChatRequest",
     "EcParams",
+    "EcProducer",
     "ec_transfer_params",
     "chat_completion",
     "item_request",
@@ -221,6 +223,41 @@ def transfer_ids(chat: ChatRequest, hashes: Sequence[str]) -> list[tuple[str, bo
         by_hash = next((tid for h, tid in named if h == mm_hash), None)
         found.append((by_hash, True) if by_hash is not None else (f"{chat.request_id}:{index}", False))
     return found
+
+
+@dataclass(frozen=True)
+class EcProducer:
+    """How an encoder instance hands its items to vLLM's consumer (its ``--ec-transfer-config``):
+    written where the consumer reads them (ECExampleConnector), or pushed into the memory of
+    the consumer each request names (ECMooncakeConnector), as the ``transfer_id``s it names."""
+
+    pushes: bool
+    described: str  # for the log: the connector, or the storage
+
+    @classmethod
+    def of(cls, ec: EcTransfer | None) -> EcProducer:
+        if ec is None or ec.storage_path is not None:
+            return cls(False, f"shared storage {ec.storage_path if ec is not None else None}")
+        return cls(True, f"{ec.connector} ({ec.mooncake_protocol})")
+
+    def check(self, chat: ChatRequest) -> None:
+        """A push needs the consumer the request names (a 400, before any item is fetched)."""
+        if self.pushes and chat.ec.consumer_zmq is None:
+            raise RequestError("this encoder pushes to vLLM's ECMooncakeConnector: the request needs "
+                               "ec_transfer_params.consumer_zmq, the consumer's control address",
+                               req_id=chat.request_id)
+
+    def delivery(self, chat: ChatRequest, items: Sequence[ChatItem], ids: Sequence[str]) -> Delivery:
+        """Where ``items`` of ``chat`` go (``ids``: every item's ``transfer_id``, by index)."""
+        if not self.pushes:
+            return Delivery("vllm_storage")
+        self.check(chat)
+        assert chat.ec.consumer_zmq is not None  # checked
+        return Delivery("vllm_mooncake", (chat.ec.consumer_zmq,), transfer_ids=tuple(ids[i.index] for i in items))
+
+    def answered_ids(self, ids: Sequence[tuple[str, bool]]) -> tuple[tuple[str, bool], ...]:
+        """The ``transfer_id``s the answer reports (``transfer_ids``): a push's, else none."""
+        return tuple(ids) if self.pushes else ()
 
 
 def item_request(request_id: str, modality: str, items: list[Any], hashes: list[str],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -9,6 +11,8 @@ import torch
 import trio
 import zmq
 
+import epd_trio
+from epd_trio.config import ENCODER_BACKENDS, SGLANG_BACKENDS
 from epd_trio.delivery import FACTORIES, Delivery, PulledDelivery, build_delivery, map_exceptions
 from epd_trio.delivery.base import DeliveryContext
 from epd_trio.delivery.zmq import ZmqDelivery
@@ -73,24 +77,71 @@ def test_map_exceptions_passes_ours_and_bugs_through() -> None:
             raise KeyError("bug")
 
 
-def test_the_service_and_its_face_name_no_backend_and_the_face_no_transport() -> None:
-    """Variation lives behind the contract: no ``backend == "zmq"`` in the lifecycle,
-    no transport import in a face."""
-    import ast
-    from pathlib import Path
+# Every name a request, a face's protocol or a flag gives a delivery or a transfer backend.
+BACKEND_NAMES = frozenset({*BACKENDS, *SGLANG_DELIVERIES, *VLLM_DELIVERIES, *SGLANG_BACKENDS,
+                           *ENCODER_BACKENDS})
+# What only the runtime and the deliveries import.
+TRANSPORT_MODULES = ("epd_trio.transport", "epd_trio.delivery", "zmq", "mooncake")
 
-    import epd_trio
 
-    root = Path(epd_trio.__file__).parent
-    for name in ("encoder/service.py", "encoder/scope.py", "encoder/app.py"):
-        tree = ast.parse((root / name).read_text())
-        names = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in BACKENDS]
-        assert names == [], f"{name} names backends {names}"
+def _docstrings(tree: ast.AST) -> set[int]:
+    """The ids of the module's, classes' and functions' docstring nodes (prose, not code)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) \
+                and node.body and isinstance(node.body[0], ast.Expr) \
+                and isinstance(node.body[0].value, ast.Constant):
+            found.add(id(node.body[0].value))
+    return found
+
+
+def _backends_named(tree: ast.AST) -> list[str]:
+    prose = _docstrings(tree)
+    return [n.value for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and n.value in BACKEND_NAMES and id(n) not in prose]
+
+
+def _backend_comparisons(tree: ast.AST) -> list[int]:
+    """Lines that compare a setting naming a backend or a connector (``x.transfer_backend == ...``)."""
+    def names_a_backend(node: ast.AST) -> bool:
+        return isinstance(node, ast.Attribute) and any(
+            word in node.attr for word in ("backend", "mooncake", "storage", "vllm_ec"))
+
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Compare)
+            and any(names_a_backend(part) for side in (n.left, *n.comparators) for part in ast.walk(side))]
+
+
+def test_no_module_of_the_encoder_names_a_backend_and_no_face_a_transport() -> None:
+    """Variation lives behind the contract: no ``backend == "zmq"`` in the lifecycle or in any
+    face (every module of ``epd_trio/encoder``: a new face is walked too), no transport or
+    delivery import outside the runtime (the service and its scopes), which owns the deliveries."""
+    root = Path(epd_trio.__file__).parent / "encoder"
+    modules = sorted(root.glob("*.py"))
+    assert {"service.py", "scope.py", "app.py", "sglang_app.py", "vllm_app.py", "grpc_sglang.py"} \
+        <= {m.name for m in modules}
+    for path in modules:
+        tree = ast.parse(path.read_text())
+        assert _backends_named(tree) == [], f"{path.name} names backends {_backends_named(tree)}"
+        assert _backend_comparisons(tree) == [], f"{path.name} compares backends on lines " \
+                                                 f"{_backend_comparisons(tree)}"
         imports = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
-        assert not [m for m in imports if m.startswith("epd_trio.transport")], (name, imports)
-    app = ast.parse((root / "encoder/app.py").read_text())
-    modules = {n.module for n in ast.walk(app) if isinstance(n, ast.ImportFrom)}
-    assert not {m for m in modules if m and m.startswith(("epd_trio.delivery", "zmq"))}, modules
+        imports += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        if path.name not in ("service.py", "scope.py"):
+            assert not [m for m in imports if m.startswith(TRANSPORT_MODULES)], (path.name, imports)
+        assert not [m for m in imports if m.startswith("epd_trio.transport")], (path.name, imports)
+
+
+def test_the_guard_sees_a_backend_named_or_compared() -> None:
+    """The checks above can fail: the shapes they look for are found."""
+    leaky = ast.parse('''"""A docstring may say mooncake."""
+def f(config):
+    """And so may this one: zmq."""
+    if config.encoder_transfer_backend != "mooncake":
+        return "inline"
+    return config.vllm_ec.storage_path is None
+''')
+    assert sorted(_backends_named(leaky)) == ["inline", "mooncake"]
+    assert _backend_comparisons(leaky) == [4, 6]
 
 
 def test_every_registered_delivery_has_every_call_of_the_contract() -> None:

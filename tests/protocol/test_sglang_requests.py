@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from epd_trio.errors import RequestError
 from epd_trio.protocol.sglang_requests import (
+    check_send,
     parse_host_port,
     parse_receive_url,
     parse_sglang_encode,
@@ -121,6 +122,14 @@ def test_receive_url_and_send_bodies() -> None:
                               "session_id": "10.0.0.2:12001", "buffer_address": 4096, "receive_count": 2})
     assert (send.session, send.buffer_address, send.length, send.completion, send.receive_count) == (
         "10.0.0.2:12001", 4096, 64, "[::1]:5", 2)
+
+
+@pytest.mark.parametrize("backend", ["zmq_to_scheduler", "zmq_to_tokenizer"])
+def test_send_is_the_mooncake_backends(backend: str) -> None:
+    check_send("mooncake", "r")
+    with pytest.raises(RequestError, match=f"this encoder serves {backend}, whose Encode delivers") as caught:
+        check_send(backend, "r")
+    assert caught.value.req_id == "r"
 
 
 @pytest.mark.parametrize("item", ["file://[x/etc/passwd", {"url": "file://a]b/x"}])

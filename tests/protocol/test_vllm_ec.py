@@ -25,7 +25,9 @@ from epd_trio.protocol.vllm_ec import (
     result_of,
     shard_endpoints,
 )
-from epd_trio.protocol.vllm_requests import ChatRequest, EcParams, transfer_ids
+from epd_trio.config import parse_ec_transfer_config
+from epd_trio.errors import RequestError
+from epd_trio.protocol.vllm_requests import ChatItem, ChatRequest, EcParams, EcProducer, transfer_ids
 
 WRITE = {"reservation_id": "r1", "dst_session": "10.0.0.2:16583", "dst_ptr": 1 << 40, "nbytes": 48,
          "write": True, "ready": False, "cached": False}
@@ -112,3 +114,32 @@ def test_transfer_ids_by_position_then_by_mm_hash_then_named_by_request_and_inde
     chat = ChatRequest("req", None, (), EcParams("tcp://h:1", (("other", "a"), (None, "b"), ("h0", "c"))))
     assert transfer_ids(chat, ["h0", "h1", "h2", "h3"]) == [
         ("c", True), ("b", True), ("req:2", False), ("req:3", False)]
+
+
+def _producer(connector: str, extra: str) -> EcProducer:
+    return EcProducer.of(parse_ec_transfer_config(
+        f'{{"ec_connector": "{connector}", "ec_role": "ec_producer", "ec_connector_extra_config": {extra}}}'))
+
+
+def test_the_connector_says_where_each_items_delivery_goes() -> None:
+    """ECExampleConnector: written to the shared storage; ECMooncakeConnector: pushed to the
+    consumer the request names, as each item's transfer_id, which the answer reports."""
+    items = (ChatItem("image", "a", None, 0), ChatItem("image", "b", None, 1))
+    chat = ChatRequest("req", None, items, EcParams("tcp://10.0.0.2:5", ()))
+    ids = [("req:0", False), ("t1", True)]
+
+    storage = _producer("ECExampleConnector", '{"shared_storage_path": "/srv/ec"}')
+    assert (storage.pushes, storage.described) == (False, "shared storage /srv/ec")
+    assert storage.delivery(chat, items[1:], ["req:0", "t1"]).backend == "vllm_storage"
+    assert storage.answered_ids(ids) == ()
+    storage.check(ChatRequest("req", None, items))  # no consumer needed
+
+    push = _producer("ECMooncakeConnector", '{"mooncake_protocol": "tcp"}')
+    assert (push.pushes, push.described) == (True, "ECMooncakeConnector (tcp)")
+    delivery = push.delivery(chat, items[1:], ["req:0", "t1"])
+    assert (delivery.backend, delivery.endpoints, delivery.transfer_ids) == (
+        "vllm_mooncake", ("tcp://10.0.0.2:5",), ("t1",))
+    assert push.answered_ids(ids) == tuple(ids)
+    with pytest.raises(RequestError, match="ec_transfer_params.consumer_zmq") as caught:
+        push.check(ChatRequest("req", None, items))
+    assert caught.value.req_id == "req"
