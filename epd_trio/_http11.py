@@ -49,8 +49,15 @@ import h11
 import trio
 
 from epd_trio._refusals import error_answer, framing_error, refusal
-from epd_trio._serving import (ASGI, CLOSES_AFTER_APP, ASGIApp, ConnectionServer, HTTPServerConfig, LifespanFailure,
-                               serve_asgi)
+from epd_trio._serving import (
+    ASGI,
+    CLOSES_AFTER_APP,
+    ASGIApp,
+    ConnectionServer,
+    HTTPServerConfig,
+    LifespanFailure,
+    serve_asgi,
+)
 from epd_trio._wire import Wire
 
 __all__ = ["CLOSES_AFTER_APP", "HTTPServerConfig", "LifespanFailure", "serve_http11"]

@@ -33,8 +33,8 @@ Anything that is not an ``EPDError`` is a bug and maps to 500 (``INTERNAL``).
 
 from __future__ import annotations
 
-from types import MappingProxyType
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Final
 
 __all__ = [

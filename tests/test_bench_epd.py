@@ -10,9 +10,8 @@ import httpx
 import pytest
 import trio
 
-from epd_trio._listen import bound_listener, start_http_server
-
 from conftest import load_tool
+from epd_trio._listen import bound_listener, start_http_server
 
 bench = load_tool("bench_epd")
 

@@ -14,10 +14,10 @@ import torch
 from conftest import png_bytes
 from epd_trio.config import EngineConfig
 from epd_trio.engine import open_engine
+from epd_trio.engine.threads import ThreadBudget, thread_budget, with_torch_threads
 from epd_trio.model.adapters import PreprocessResult
 from epd_trio.model.loader import LoadedEncoder
 from epd_trio.scheduling.worker import EncoderWorker
-from epd_trio.engine.threads import ThreadBudget, thread_budget, with_torch_threads
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+
 from test_gpu_wheels import GPU_CHECK_RUNS
 
 ROOT = Path(__file__).resolve().parents[1]

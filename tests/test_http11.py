@@ -19,7 +19,6 @@ from epd_trio._serving import HTTPServerConfig, LifespanFailure
 from http_apps import SERVERS, answer, connect, echo_app, lifespan, read_body, read_until_closed, serving, split_answers
 
 
-
 @pytest.fixture(params=list(SERVERS))
 def server(request: pytest.FixtureRequest) -> str:
     """Each test that takes it runs under both servers."""

@@ -300,8 +300,7 @@ def run_grpc_load(target: str, body: tuple[bytes, bytes], concurrency: int,
     import grpc
 
     sys.path.insert(0, str(ROOT))
-    from epd_trio.protocol.proto import encoder_pb2 as pb
-    from epd_trio.protocol.proto import encoder_pb2_grpc as pb_grpc
+    from epd_trio.protocol.proto import encoder_pb2 as pb, encoder_pb2_grpc as pb_grpc
 
     prefix, suffix = body
     fields = json.loads(prefix + b"x" + suffix)
@@ -366,12 +365,12 @@ def _median_cpu_ms(fn: Any, repeats: int = 20) -> float:
 def standalone_costs(model_dir: Path, image: bytes) -> dict[str, float]:
     """Decode, processor and inline-body CPU ms for one image, each alone in this thread."""
     import torch
+    from transformers import AutoConfig
 
+    from epd_trio.model.adapters import adapter_for
     from epd_trio.model.loader import load_processors
     from epd_trio.model.media import MediaLimits, decode_image
-    from epd_trio.model.adapters import adapter_for
     from epd_trio.protocol.codec import encode_safetensors
-    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     adapter = adapter_for(config)

@@ -235,7 +235,7 @@ def model_path(args: argparse.Namespace, tmp: Path) -> str:
 
 
 def run(args: argparse.Namespace) -> list[Cell]:
-    from vllm_harness import VllmEnv, vllm_dir, vllm_consumer
+    from vllm_harness import VllmEnv, vllm_consumer, vllm_dir
 
     env = VllmEnv(vllm_dir())
     if not env.python.exists():

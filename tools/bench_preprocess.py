@@ -44,10 +44,11 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
-import bench_results  # noqa: E402  (tools/: the results file the docs are built from)
 import numpy as np  # noqa: E402
 import trio  # noqa: E402
 from PIL import Image  # noqa: E402
+
+import bench_results  # noqa: E402  (tools/: the results file the docs are built from)
 
 FORMATS = ("JPEG", "PNG")
 

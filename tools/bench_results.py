@@ -92,7 +92,7 @@ def recording(tool: str, path: Path | None, argv: Sequence[str] | None = None) -
         return
     argv = list(sys.argv[1:] if argv is None else argv)
     results = Results(tool=tool, command=command_line(tool, argv),
-                      started=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                      started=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
                       host=host(load_key="load_before"))
     token = _ACTIVE.set(results)
     try:

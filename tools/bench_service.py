@@ -80,6 +80,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
+
 import bench_engine  # noqa: E402  (tools/: the checkpoint builder and images are shared)
 import bench_results  # noqa: E402  (tools/: the results file the docs are built from)
 
@@ -246,7 +247,7 @@ async def measure_latency(paths: dict[str, Call], names: Sequence[str], item: An
                 samples[name].append(time.perf_counter() - t0)
             loop_cpu[name] += time.thread_time() - loop0
             proc_cpu[name] += bench_engine.cpu_time() - proc0
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
     share = bench_engine.cpu_share(bench_engine.cpu_time() - cpu, time.perf_counter() - started)
     return LatencyResult(samples, {k: v / requests for k, v in loop_cpu.items()},
                          {k: v / requests for k, v in proc_cpu.items()}, share, diffs)

@@ -88,10 +88,10 @@ from pathlib import Path
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # the Mooncake engine's glog noise
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
-import bench_results  # noqa: E402  (tools/: the results file the docs are built from)
 import torch  # noqa: E402
 import trio  # noqa: E402
 
+import bench_results  # noqa: E402  (tools/: the results file the docs are built from)
 from epd_trio.errors import TransportError  # noqa: E402
 from epd_trio.protocol.codec import encode_zmq_message, header_for  # noqa: E402
 from epd_trio.protocol.payload import PAYLOAD_FRAME_BYTES  # noqa: E402

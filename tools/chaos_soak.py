@@ -53,10 +53,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "chaos"), str(ROOT / "tools")]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # the Mooncake engine's glog noise
 
-import bench_results  # noqa: E402  (tools/: the results file the docs are built from)
 import httpx  # noqa: E402
 import trio  # noqa: E402
 
+import bench_results  # noqa: E402  (tools/: the results file the docs are built from)
 from epd_trio.client import open_encoder_client  # noqa: E402
 from real_calls import ScenarioReport  # noqa: E402
 from real_scenarios import LONG, kind_of, run_scenario, settle_world  # noqa: E402

@@ -19,6 +19,7 @@ import enum
 from dataclasses import dataclass
 
 from epd_trio.errors import OverloadedError
+
 # An encoder URL's rule lives with the wire (protocol/urls.py); re-exported for bootstrap's callers.
 from epd_trio.protocol.urls import normalize_url
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import httpx
 import trio
 
+from epd_trio._http import guarded_app
+from epd_trio._listen import bound_listener, start_http_server
 from epd_trio.bootstrap.app import MAX_HEADER_BYTES, create_app
 from epd_trio.bootstrap.health import HealthLoop, HealthLoopStatistics, Probe, http_probe
 from epd_trio.bootstrap.registry import Registry, RegistryStatistics
-from epd_trio._http import guarded_app
-from epd_trio._listen import bound_listener, start_http_server
 from epd_trio.config import BootstrapConfig
 
 __all__ = ["BootstrapServer", "BootstrapStatistics", "run_bootstrap", "serve_bootstrap"]

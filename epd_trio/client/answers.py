@@ -23,13 +23,13 @@ from epd_trio.errors import (
     PeerUnavailable,
     ProtocolError,
 )
+from epd_trio.protocol.codec import decode_safetensors, header_for
 from epd_trio.protocol.messages import (
     DTYPE_ITEMSIZE,
     MAX_ERROR_MESSAGE,
     EmbeddingHeader,
     validate_extras,
 )
-from epd_trio.protocol.codec import decode_safetensors, header_for
 from epd_trio.protocol.payload import Payload
 from epd_trio.protocol.requests import EncodeMeta
 

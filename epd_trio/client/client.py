@@ -62,9 +62,9 @@ from epd_trio.client.answers import (
 from epd_trio.client.calls import EncoderCalls, encoder_transport
 from epd_trio.client.demux import Demultiplexer
 from epd_trio.client.discovery import Discovery, merge_urls
+from epd_trio.client.grpc_channel import GrpcChannels
 from epd_trio.client.inplace import open_registered_engine, write_parts
 from epd_trio.client.items import is_heavy, to_wire_items
-from epd_trio.client.grpc_channel import GrpcChannels
 from epd_trio.client.metrics import ClientMetrics
 from epd_trio.client.pool import EmbeddingPool, Slot
 from epd_trio.client.result import (

@@ -25,7 +25,6 @@ import trio
 from trio_util import periodic
 
 from epd_trio.client.answers import json_of
-from epd_trio.protocol.urls import ENCODER_SCHEMES, normalize_url
 from epd_trio.errors import (
     PeerUnavailable,
     ProtocolError,
@@ -33,6 +32,7 @@ from epd_trio.errors import (
     TransferTimeout,
     TransportError,
 )
+from epd_trio.protocol.urls import ENCODER_SCHEMES, normalize_url
 
 __all__ = [
     "Discovery",

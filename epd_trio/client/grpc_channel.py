@@ -39,8 +39,7 @@ from epd_trio.protocol.grpc_messages import (
     encode_message,
     meta_from_message,
 )
-from epd_trio.protocol.proto import encoder_pb2 as pb
-from epd_trio.protocol.proto import encoder_pb2_grpc as pb_grpc
+from epd_trio.protocol.proto import encoder_pb2 as pb, encoder_pb2_grpc as pb_grpc
 
 __all__ = ["GRPC_SCHEME", "GrpcAnswer", "GrpcChannelStatistics", "GrpcChannels"]
 

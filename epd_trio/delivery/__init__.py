@@ -15,6 +15,7 @@ from typing import Final
 
 import trio
 
+from epd_trio.config import EncoderConfig
 from epd_trio.delivery.base import (
     Answer,
     Delivery,
@@ -31,7 +32,6 @@ from epd_trio.delivery.sglang_zmq import SGLangZmqDelivery
 from epd_trio.delivery.vllm_mooncake import EcControl, VllmMooncakeDelivery
 from epd_trio.delivery.vllm_storage import VllmStorageDelivery
 from epd_trio.delivery.zmq import ZmqDelivery
-from epd_trio.config import EncoderConfig
 from epd_trio.errors import RequestError
 from epd_trio.protocol.requests import EncodeRequest
 from epd_trio.transport.mooncake import MooncakeTransport, open_mooncake

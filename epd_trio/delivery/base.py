@@ -33,10 +33,9 @@ import trio
 import zmq
 
 from epd_trio._util import first_leaf
+from epd_trio.delivery.sglang_rendezvous import Rendezvous
 from epd_trio.errors import EPDError, PeerUnavailable, TransferTimeout, TransportError
 from epd_trio.protocol.requests import EncodeMeta, EncodeRequest
-
-from epd_trio.delivery.sglang_rendezvous import Rendezvous
 
 if TYPE_CHECKING:
     from epd_trio.delivery.vllm_mooncake import EcControl

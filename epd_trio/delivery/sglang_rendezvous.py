@@ -29,10 +29,17 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+
 import trio
 
-from epd_trio.errors import (ConflictError, DeadlineExceeded, EPDError, OverloadedError, RequestError,
-                             UnknownRequestError)
+from epd_trio.errors import (
+    ConflictError,
+    DeadlineExceeded,
+    EPDError,
+    OverloadedError,
+    RequestError,
+    UnknownRequestError,
+)
 
 __all__ = ["MAX_EARLY", "MAX_ENDED", "Entry", "Rendezvous", "RendezvousStatistics"]
 

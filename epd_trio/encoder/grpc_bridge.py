@@ -38,8 +38,7 @@ import trio
 from google.protobuf.message import DecodeError
 
 from epd_trio._http import BearerAuth
-from epd_trio.errors import (AbortedError, DeadlineExceeded, EPDError, NotReadyError, RequestError,
-                             grpc_status_name)
+from epd_trio.errors import AbortedError, DeadlineExceeded, EPDError, NotReadyError, RequestError, grpc_status_name
 from epd_trio.protocol.grpc_messages import ERROR_TYPE_KEY
 
 __all__ = ["BridgeStatistics", "Call", "DecodeGuard", "TrioBridge", "Undecodable", "decoded", "error_status",

@@ -100,7 +100,7 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
     async def _wait(changed: asyncio.Event, timeout: float | None) -> None:
         try:
             await asyncio.wait_for(changed.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
     # ---- the RPCs ------------------------------------------------------------------

@@ -7,15 +7,13 @@ HTTP face's; only the shape of the answer differs (``encoder.proto``).
 
 from __future__ import annotations
 
-
 from epd_trio._http import BearerAuth
 from epd_trio._version import __version__
 from epd_trio.encoder.grpc_bridge import Call, TrioBridge, Undecodable, decoded, unary
 from epd_trio.encoder.service import EncoderService
 from epd_trio.errors import PayloadTooLargeError
 from epd_trio.protocol.grpc_messages import encode_body, meta_message
-from epd_trio.protocol.proto import encoder_pb2 as pb
-from epd_trio.protocol.proto import encoder_pb2_grpc as pb_grpc
+from epd_trio.protocol.proto import encoder_pb2 as pb, encoder_pb2_grpc as pb_grpc
 from epd_trio.protocol.requests import parse_abort_request, parse_encode_request, parse_send_request
 
 __all__ = ["SERVICE_NAME", "native_servicer"]

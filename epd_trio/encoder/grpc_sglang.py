@@ -19,15 +19,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from smg_grpc_proto import sglang_encoder_pb2 as pb
-from smg_grpc_proto import sglang_encoder_pb2_grpc as pb_grpc
+from smg_grpc_proto import sglang_encoder_pb2 as pb, sglang_encoder_pb2_grpc as pb_grpc
 
 from epd_trio._http import BearerAuth
 from epd_trio.encoder.grpc_bridge import Call, TrioBridge, decoded, unary
 from epd_trio.encoder.service import EncoderService
 from epd_trio.protocol.grpc_messages import sglang_encode_body
-from epd_trio.protocol.sglang_requests import (check_send, parse_receive_url, parse_sglang_encode,
-                                               parse_sglang_send)
+from epd_trio.protocol.sglang_requests import check_send, parse_receive_url, parse_sglang_encode, parse_sglang_send
 
 __all__ = ["SERVICE_NAME", "sglang_servicer"]
 

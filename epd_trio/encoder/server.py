@@ -30,16 +30,16 @@ import trio
 from epd_trio._listen import Listener, bound_listener, check_bindable, start_http_server
 from epd_trio._routes import Route, find_route, is_loopback_host, is_wildcard, url_host
 from epd_trio.bootstrap.registration import Registration, open_registration
-from epd_trio.protocol.urls import normalize_url
 from epd_trio.config import EncoderConfig
 from epd_trio.encoder.app import create_app
 from epd_trio.encoder.asgi_route import ASGIApp
 from epd_trio.encoder.grpc_server import GrpcServer, open_grpc_server
+from epd_trio.encoder.service import EncoderService, open_encoder_service
 from epd_trio.encoder.sglang_app import create_sglang_app
 from epd_trio.encoder.vllm_app import create_vllm_app
-from epd_trio.encoder.service import EncoderService, open_encoder_service
 from epd_trio.engine import Engine, open_engine
 from epd_trio.errors import PeerUnavailable, RequestError
+from epd_trio.protocol.urls import normalize_url
 
 __all__ = ["EncoderServer", "run_encoder", "serve_encoder"]
 

@@ -90,7 +90,7 @@ def _weight_files(model_dir: Path) -> dict[str, str]:
     from safetensors import safe_open
 
     with safe_open(single, framework="pt") as f:
-        return {name: SINGLE_FILE for name in f.keys()}
+        return dict.fromkeys(f.keys(), SINGLE_FILE)
 
 
 def encoder_weight_names(adapter: ModelAdapter, weight_map: dict[str, str]) -> dict[str, str]:

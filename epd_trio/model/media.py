@@ -20,8 +20,8 @@ import io
 import os
 import re
 import stat
-from contextlib import aclosing
 from collections.abc import Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final

@@ -30,8 +30,7 @@ from epd_trio.errors import EPDError, ModelLoadError, PayloadTooLargeError, Requ
 from epd_trio.model.adapters import ModelAdapter, PreprocessResult
 from epd_trio.model.audio import decode_audio
 from epd_trio.model.image_decode import decode_image_tensor
-from epd_trio.model.media import (MediaLimits, decode_image, decoder_message, image_pixels, is_frame_list,
-                                  item_error)
+from epd_trio.model.media import MediaLimits, decode_image, decoder_message, image_pixels, is_frame_list, item_error
 from epd_trio.model.video import FrameSampling, decode_video, frames_clip, model_sampler
 from epd_trio.scheduling.failures import raise_if_device_failure
 

@@ -13,7 +13,6 @@ from epd_trio.protocol.codec import (
     header_for,
     tensor_bytes,
 )
-from epd_trio.protocol.payload import PAYLOAD_FRAME_BYTES, Payload
 from epd_trio.protocol.messages import (
     DTYPES,
     MODALITIES,
@@ -23,6 +22,7 @@ from epd_trio.protocol.messages import (
     header_from_map,
     header_to_map,
 )
+from epd_trio.protocol.payload import PAYLOAD_FRAME_BYTES, Payload
 
 __all__ = [
     "DTYPES",

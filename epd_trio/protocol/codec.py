@@ -15,8 +15,8 @@ from typing import Any, Final, cast
 
 import msgspec
 import safetensors
-from safetensors.torch import load as load_safetensors
 import torch
+from safetensors.torch import load as load_safetensors
 
 from epd_trio.errors import ProtocolError, error_body, http_status
 from epd_trio.protocol.messages import (

@@ -278,7 +278,7 @@ def ec_transfer_params(items: Sequence[ChatItem], hashes: Sequence[str], metas: 
     """Per ``mm_hash``: the request's indices of that item, its placeholder metadata and the
     ``transfer_id`` the request named for it, as vLLM's producer reports them
     (``collect_ec_item_metadata``; ``named`` from ``transfer_ids``, for Mooncake)."""
-    position = {m: 0 for m in metas}
+    position = dict.fromkeys(metas, 0)
     params: dict[str, Any] = {}
     for item, mm_hash in zip(items, hashes, strict=True):
         meta, k = metas[item.modality], position[item.modality]

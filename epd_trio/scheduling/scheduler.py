@@ -43,8 +43,8 @@ from epd_trio.errors import EncodeError, EPDError, NotReadyError, OverloadedErro
 from epd_trio.model.adapters import PreprocessResult
 from epd_trio.scheduling.batch_cap import BatchCapLearner, BatchCapSettings, BatchCapStatistics
 from epd_trio.scheduling.dispatch import Admission, JobNotRun
-from epd_trio.scheduling.policy import Batch, BatchPolicy, QueuedRequest, Wait, next_batch
 from epd_trio.scheduling.failures import is_device_error, is_device_out_of_memory
+from epd_trio.scheduling.policy import Batch, BatchPolicy, QueuedRequest, Wait, next_batch
 
 __all__ = ["Forward", "Job", "Observer", "Scheduler", "SchedulerStatistics"]
 

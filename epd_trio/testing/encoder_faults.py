@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-
 from epd_trio.delivery import Answer, Delivery, InlineDelivery, PulledDelivery
 from epd_trio.encoder.service import EncoderService
 from epd_trio.errors import AbortedError, EPDError, UnknownRequestError

@@ -16,8 +16,8 @@ import trio
 
 from epd_trio import BootstrapConfig, run_bootstrap, serve_bootstrap
 from epd_trio.bootstrap import registration
-from epd_trio.client.discovery import fetch_encoder_urls
 from epd_trio.bootstrap.server import BootstrapServer
+from epd_trio.client.discovery import fetch_encoder_urls
 from epd_trio.errors import PeerUnavailable, ProtocolError, TransferTimeout
 
 QUIET = BootstrapConfig(port=0, health_interval=60.0)  # no probe round within a test

@@ -33,10 +33,10 @@ import httpx
 import torch
 import trio
 
+from endings_stages import ABORT_HOLD, Stage
 from epd_trio.client import RemoteEncodeError
 from epd_trio.errors import EncodeTimeout, EPDError
 from epd_trio.testing import FaultPlan, quiescence_problems
-from endings_stages import ABORT_HOLD, Stage
 from real_calls import Call, ScenarioReport, client_call, req_id_for
 from real_world import SETTLE_TIMEOUT, SLACK, _indexed
 

@@ -36,8 +36,7 @@ from epd_trio.config import EncoderConfig, EngineConfig
 from epd_trio.encoder.grpc_bridge import ERROR_TYPE_KEY
 from epd_trio.encoder.server import EncoderServer, serve_encoder
 from epd_trio.protocol.codec import decode_safetensors
-from epd_trio.protocol.proto import encoder_pb2 as pb
-from epd_trio.protocol.proto import encoder_pb2_grpc as pb_grpc
+from epd_trio.protocol.proto import encoder_pb2 as pb, encoder_pb2_grpc as pb_grpc
 from epd_trio.testing import FaultPlan, install_faults
 from real_calls import Call, ScenarioReport, req_id_for
 from real_world import SLACK, Media, MessageSink, References, encoder_stats, settle

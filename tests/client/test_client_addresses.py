@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 import trio
-from client_fakes import Behaviour, FakeEncoders, item_bytes
 
+from client_fakes import Behaviour, FakeEncoders, item_bytes
 from epd_trio._routes import (
     Route,
     Routes,

@@ -18,16 +18,16 @@ from PIL import Image
 
 from client_fakes import DIM, Behaviour, FakeEncoders, decode_item, expected, extras_of, item_bytes
 from epd_trio.client import ClientConfig, EncoderClient, RemoteEncodeError, open_encoder_client
-from epd_trio.client.items import to_wire_item
 from epd_trio.client.client import advertised_endpoint
+from epd_trio.client.items import to_wire_item
 from epd_trio.errors import (
     AbortedError,
     DeadlineExceeded,
     DrainingError,
     DuplicateRequestError,
     EncodeError,
-    EPDError,
     EncodeTimeout,
+    EPDError,
     NotReadyError,
     PayloadTooLargeError,
     PeerUnavailable,

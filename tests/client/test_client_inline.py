@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-import trio
 import pytest
 import torch
+import trio
 
 from conftest import png_bytes
 from epd_trio import open_encoder_client

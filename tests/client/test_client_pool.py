@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 import trio
+import trio.lowlevel
 import trio.testing
 
 from epd_trio.client.pool import ALIGNMENT, EmbeddingPool, PoolStatistics
@@ -135,7 +136,7 @@ async def test_a_view_that_dies_in_another_thread_frees_its_range_in_the_trio_lo
     await trio.to_thread.run_sync(box.clear)  # the view's last reference dies over there
     with trio.fail_after(5):
         while pool.statistics().used_bytes:
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
     assert_idle(pool)
 
 

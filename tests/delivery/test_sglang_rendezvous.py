@@ -10,8 +10,14 @@ import trio
 import trio.testing
 
 from epd_trio.delivery.sglang_rendezvous import Rendezvous, RendezvousStatistics
-from epd_trio.errors import (ConflictError, DeadlineExceeded, EncodeError, OverloadedError, RequestError,
-                             UnknownRequestError)
+from epd_trio.errors import (
+    ConflictError,
+    DeadlineExceeded,
+    EncodeError,
+    OverloadedError,
+    RequestError,
+    UnknownRequestError,
+)
 
 EMPTY = RendezvousStatistics(0, 0, 0, 0, 0, 0, 0)
 

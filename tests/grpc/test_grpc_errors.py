@@ -16,8 +16,7 @@ from conftest import image_uri
 from epd_trio import errors
 from epd_trio.encoder.grpc_bridge import ERROR_TYPE_KEY, error_status
 from epd_trio.errors import GRPC_STATUS, EncodeError, EPDError, grpc_status_name
-from epd_trio.protocol.proto import encoder_pb2 as pb
-from epd_trio.protocol.proto import encoder_pb2_grpc as pb_grpc
+from epd_trio.protocol.proto import encoder_pb2 as pb, encoder_pb2_grpc as pb_grpc
 
 TOKEN = "grpc-s3cret-token"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)

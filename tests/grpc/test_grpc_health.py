@@ -22,8 +22,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from conftest import image_uri
 from epd_trio.encoder import grpc_health
 from epd_trio.encoder.grpc_server import SERVICES
-from epd_trio.protocol.proto import encoder_pb2 as pb
-from epd_trio.protocol.proto import encoder_pb2_grpc as pb_grpc
+from epd_trio.protocol.proto import encoder_pb2 as pb, encoder_pb2_grpc as pb_grpc
 from epd_trio.transport.zmq import PullReceiver
 
 Status = health_pb2.HealthCheckResponse

@@ -28,8 +28,7 @@ from conftest import image_uri, listening_url, spawn
 from epd_trio.encoder import server as server_module
 from epd_trio.encoder.grpc_bridge import TrioBridge, _Pending, error_status
 from epd_trio.errors import NotReadyError
-from epd_trio.protocol.proto import encoder_pb2 as pb
-from epd_trio.protocol.proto import encoder_pb2_grpc as pb_grpc
+from epd_trio.protocol.proto import encoder_pb2 as pb, encoder_pb2_grpc as pb_grpc
 from epd_trio.testing import Fault, FaultPlan, install_faults
 from epd_trio.transport.zmq import PullReceiver
 

@@ -20,8 +20,7 @@ from conftest import data_uri, png_bytes
 from epd_trio.model.samples import sample_tone, sample_video
 from epd_trio.protocol.codec import decode_safetensors
 from epd_trio.protocol.grpc_messages import encode_body, meta_from_message
-from epd_trio.protocol.proto import encoder_pb2 as pb
-from epd_trio.protocol.proto import encoder_pb2_grpc as pb_grpc
+from epd_trio.protocol.proto import encoder_pb2 as pb, encoder_pb2_grpc as pb_grpc
 from epd_trio.protocol.requests import parse_encode_request
 from epd_trio.transport.zmq import PullReceiver
 

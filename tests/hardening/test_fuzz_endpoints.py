@@ -18,8 +18,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from epd_trio.bootstrap.server import serve_bootstrap
 from epd_trio.config import BootstrapConfig, EncoderConfig, EngineConfig

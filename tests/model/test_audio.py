@@ -16,8 +16,8 @@ import soundfile
 import torch
 import transformers
 import trio
-from conftest import audio_reference
 
+from conftest import audio_reference
 from epd_trio import open_engine
 from epd_trio.errors import PayloadTooLargeError, RequestError
 from epd_trio.model.adapters.qwen_audio import audio_token_count

@@ -6,8 +6,7 @@ import base64
 import binascii
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from epd_trio.errors import RequestError
 from epd_trio.model.media import decode_data_uri

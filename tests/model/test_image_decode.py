@@ -69,7 +69,7 @@ def test_torchvision_decode_equals_pil(fmt: str, mode: str, save: dict, size: tu
 def test_other_formats_go_through_pil(fmt: str, mode: str) -> None:
     image = random_image(40, 30, seed=1).convert("RGB" if mode == "I;16" else mode)
     if mode == "I;16":
-        image = Image.fromarray((np.asarray(image.convert("L"), dtype=np.uint16) * 257))
+        image = Image.fromarray(np.asarray(image.convert("L"), dtype=np.uint16) * 257)
     data = encoded(image, fmt)
     assert fast_format(data, 0, LIMITS) is None
     out = decode_image_tensor(data, 0, LIMITS)

@@ -26,6 +26,8 @@ import numpy as np
 import pytest
 import torch
 import trio
+from PIL import Image
+
 from multihost_cluster import (
     AgentProcess,
     DnsServer,
@@ -35,7 +37,6 @@ from multihost_cluster import (
     wait_until,
 )
 from multihost_netns import Network, open_network
-from PIL import Image
 
 pytestmark = pytest.mark.slow
 

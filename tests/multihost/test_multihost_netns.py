@@ -6,8 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import multihost_netns
 import pytest
+
+import multihost_netns
 from multihost_netns import NETNS_ETC, open_network
 
 PROBE = "import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3)"

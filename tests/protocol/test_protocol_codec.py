@@ -12,8 +12,7 @@ import pytest
 import safetensors
 import safetensors.torch
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from epd_trio.errors import EncodeError, ProtocolError, TransferTimeout
 from epd_trio.protocol import (

@@ -16,8 +16,7 @@ import httpx
 import msgpack
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from epd_trio.client.answers import check_message, parse_meta
 from epd_trio.errors import ProtocolError

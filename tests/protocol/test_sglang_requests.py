@@ -8,8 +8,7 @@ import re
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from epd_trio.errors import RequestError
 from epd_trio.protocol.sglang_requests import (

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from epd_trio.errors import PeerUnavailable, ProtocolError
+from epd_trio.config import parse_ec_transfer_config
+from epd_trio.errors import PeerUnavailable, ProtocolError, RequestError
 from epd_trio.protocol.vllm_ec import (
     MAX_SHARDS,
     PushItem,
@@ -25,8 +26,6 @@ from epd_trio.protocol.vllm_ec import (
     result_of,
     shard_endpoints,
 )
-from epd_trio.config import parse_ec_transfer_config
-from epd_trio.errors import RequestError
 from epd_trio.protocol.vllm_requests import ChatItem, ChatRequest, EcParams, EcProducer, transfer_ids
 
 WRITE = {"reservation_id": "r1", "dst_session": "10.0.0.2:16583", "dst_ptr": 1 << 40, "nbytes": 48,

@@ -14,9 +14,8 @@ import httpx
 import pytest
 import trio
 
-from epd_trio import ProxyConfig, ProxyServer, serve_proxy
-
 from conftest import data_uri, first_event_then_leave, png_bytes, running
+from epd_trio import ProxyConfig, ProxyServer, serve_proxy
 from proxy_fakes import FakeEncoder, FakeLanguageServer, serving
 
 CHAT = "/v1/chat/completions"

@@ -14,7 +14,6 @@ import trio
 
 from epd_trio import EncodeTimeout, PeerUnavailable, RemoteEncodeError, open_encoder_client
 from epd_trio.client import EncoderClient
-
 from proxy_fakes import FakeEncoder, closing_peer, serving
 
 

@@ -82,11 +82,10 @@ def test_invalid_policy(bad: dict) -> None:
 
 def test_policy_module_is_pure() -> None:
     import ast
+    from pathlib import Path
 
     import epd_trio.scheduling.batch_cap as batch_cap
     import epd_trio.scheduling.policy as policy
-
-    from pathlib import Path
 
     for module in (policy, batch_cap):
         tree = ast.parse(Path(module.__file__).read_text())

@@ -17,8 +17,9 @@ import numpy as np
 import soundfile
 import torch
 import transformers
-from conftest import audio_reference, with_deepstack
 from transformers.video_utils import load_video
+
+from conftest import audio_reference, with_deepstack
 
 FPS = 2.0  # the encoder's --video-fps default, which the references sample at too
 AUDIO_RATE = 16000

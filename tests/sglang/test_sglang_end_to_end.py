@@ -211,7 +211,7 @@ def test_zmq_to_tokenizer_error(language_server: LanguageServer, encoders: Encod
         backend="zmq_to_tokenizer", rid=rid(), urls=[encoders["vl_tokenizer"]],
         items={"image": [BAD_IMAGE]}, model_type="qwen2_5_vl")
     assert answer["ranks"] == [{"ok": False, "error": None}] and tensors == {}
-    assert any("Encoder error for req_id=" in w and "error_code=400" in w
+    assert any(("Encoder error for req_id=" in w and "error_code=400" in w)
                or "Encoder dispatch failed" in w for w in answer["warnings"]), answer
 
 

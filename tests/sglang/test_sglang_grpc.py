@@ -32,8 +32,7 @@ import grpc
 import pytest
 import torch
 import trio
-from smg_grpc_proto import sglang_encoder_pb2 as pb
-from smg_grpc_proto import sglang_encoder_pb2_grpc as pb_grpc
+from smg_grpc_proto import sglang_encoder_pb2 as pb, sglang_encoder_pb2_grpc as pb_grpc
 
 import sglang_expected as ref
 from conftest import image_uri, random_image
@@ -41,9 +40,9 @@ from epd_trio.encoder.grpc_server import MESSAGE_LIMIT
 from epd_trio.errors import RequestError
 from epd_trio.model.samples import sample_video
 from epd_trio.protocol.grpc_messages import infer_modality
+from sglang_encoders import EncoderPool, SharedEncoder, sglang_encoders  # noqa: F401 (a fixture)
 from sglang_face_kit import decode_with_sglang, rank, stats, until
 from sglang_harness import Decoder, LanguageServer, SGLangEnv, sglang_decoder, sglang_env  # noqa: F401 (fixtures)
-from sglang_encoders import EncoderPool, SharedEncoder, sglang_encoders  # noqa: F401 (a fixture)
 from test_sglang_end_to_end import BAD_IMAGE, assert_close, assert_nothing_left_behind, ok_ranks
 
 IMAGE_SIZES = [(56, 56), (84, 56), (28, 112)]
@@ -108,7 +107,7 @@ def test_zmq_to_tokenizer_error(grpc_language_server: LanguageServer,
         backend="zmq_to_tokenizer", rid=rid(), urls=[encoders["tok_a"].grpc],
         items={"image": [BAD_IMAGE]}, model_type="qwen2_5_vl")
     assert answer["ranks"] == [{"ok": False, "error": None}] and tensors == {}
-    assert any("Encoder error for req_id=" in w and "error_code=400" in w
+    assert any(("Encoder error for req_id=" in w and "error_code=400" in w)
                or "Encoder dispatch failed" in w for w in answer["warnings"]), answer
 
 

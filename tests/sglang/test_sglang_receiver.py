@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import pickle
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +20,6 @@ from safetensors.torch import load_file
 
 from epd_trio.errors import RequestError, TransferTimeout
 from epd_trio.protocol import sglang
-
 from sglang_harness import Decoder, sglang_decoder, sglang_env  # noqa: F401 (fixtures)
 
 RECEIVER_CLASS = "sglang.srt.disaggregation.encoder.receiver.EmbeddingData"

@@ -15,10 +15,10 @@ import httpx
 import pytest
 import trio
 import trio.testing
-from sglang_harness import DriverProcess, SGLangEnv, sglang_env  # noqa: F401 (a fixture)
 
 from epd_trio import BootstrapConfig, serve_bootstrap
 from epd_trio.bootstrap.registration import open_registration
+from sglang_harness import DriverProcess, SGLangEnv, sglang_env  # noqa: F401 (a fixture)
 
 ME = "http://127.0.0.1:39001"
 

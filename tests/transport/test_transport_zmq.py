@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import tempfile
-from functools import partial
 from collections.abc import AsyncIterator, Iterator
+from functools import partial
 
 import numpy as np
 import pytest

@@ -15,9 +15,8 @@ from typing import Any
 import httpx
 import trio
 
-from epd_trio import EncoderServer, ProxyConfig, ProxyServer, serve_proxy
-
 from conftest import data_uri, png_bytes, running
+from epd_trio import EncoderServer, ProxyConfig, ProxyServer, serve_proxy
 from vllm_harness import VllmServer
 
 TOKENS = 8

@@ -28,12 +28,11 @@ import torch
 import trio
 from safetensors.torch import load_file, save_file
 
+from conftest import data_uri, png_bytes
 from epd_trio.config import EncoderConfig, EngineConfig
 from epd_trio.encoder.server import serve_encoder
 from epd_trio.model.samples import sample_video
 from epd_trio.model.tiny import make_tiny_model, servable_spec
-
-from conftest import data_uri, png_bytes
 from vllm_harness import VllmServer, storage, vllm, vllm_env  # noqa: F401  (the fixtures)
 
 pytestmark = pytest.mark.slow

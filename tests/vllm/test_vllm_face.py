@@ -13,6 +13,7 @@ import torch
 import trio
 from safetensors.torch import load_file
 
+from conftest import data_uri, png_bytes
 from epd_trio.config import EncoderConfig, EngineConfig
 from epd_trio.delivery.vllm_storage import write_item
 from epd_trio.encoder.server import serve_encoder
@@ -20,8 +21,6 @@ from epd_trio.engine import open_engine
 from epd_trio.model.media import MediaLimits
 from epd_trio.model.vllm_media import VllmMediaRules, hash_input
 from epd_trio.protocol.vllm_hash import item_hash
-
-from conftest import data_uri, png_bytes
 
 
 def _ec(storage: Path) -> str:

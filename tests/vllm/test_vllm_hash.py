@@ -15,13 +15,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from conftest import jpeg_bytes, png_bytes
 from epd_trio.errors import RequestError
 from epd_trio.model.media import MediaLimits
 from epd_trio.model.samples import sample_tone, sample_video
 from epd_trio.model.vllm_media import VllmMediaRules, hash_input
 from epd_trio.protocol.vllm_hash import EncodedImage, item_hash
-
-from conftest import jpeg_bytes, png_bytes
 from vllm_harness import VllmEnv, vllm_env  # noqa: F401  (the fixture)
 
 MODEL = "/models/Qwen2.5-VL-3B-Instruct"

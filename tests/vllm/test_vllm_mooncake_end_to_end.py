@@ -29,8 +29,8 @@ stepping, the reference too.
 from __future__ import annotations
 
 import os
-from functools import partial
 from collections.abc import AsyncIterator, Iterator
+from functools import partial
 from typing import Any
 
 import httpx

@@ -21,10 +21,9 @@ import httpx
 import pytest
 import trio
 
+from conftest import data_uri, first_event_then_leave, listening_url, spawn
 from epd_trio.model.samples import sample_video
 from epd_trio.model.tiny import make_tiny_model, servable_spec
-
-from conftest import data_uri, first_event_then_leave, listening_url, spawn
 from proxy_harness import (
     encoded,
     encoder,

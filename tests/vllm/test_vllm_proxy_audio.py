@@ -19,7 +19,6 @@ from safetensors.torch import load_file, save_file
 
 from epd_trio.model.samples import sample_tone
 from epd_trio.model.tiny import make_tiny_model, servable_spec
-
 from proxy_harness import encoder, proxy_over, request, through, tokens, vllm_alone
 from vllm_harness import VllmServer, storage, vllm, vllm_env  # noqa: F401  (the fixtures)
 
