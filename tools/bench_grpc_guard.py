@@ -33,8 +33,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_results  # noqa: E402  (tools/: the results file the docs are built from)
-from epd_trio.encoder.grpc_bridge import DecodeGuard  # noqa: E402
+import bench_results  # tools/: the results file the docs are built from
+from epd_trio.encoder.grpc_bridge import DecodeGuard
 
 CHECK = "/grpc.health.v1.Health/Check"
 

@@ -48,8 +48,8 @@ import trio
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import trio.lowlevel
 
-import bench_results  # noqa: E402  (tools/: the results file the docs are built from)
-from epd_trio.config import HTTP_SERVERS  # noqa: E402
+import bench_results  # tools/: the results file the docs are built from
+from epd_trio.config import HTTP_SERVERS
 
 # torch and the delivery load only for the inline section: the HTTP section's client process
 # (this file, ``--client``) starts in a fraction of the time without them.

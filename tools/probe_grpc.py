@@ -57,7 +57,7 @@ from grpc_health.v1 import health_pb2
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import trio.lowlevel
 
-import bench_results  # noqa: E402  (tools/: the results file the docs are built from)
+import bench_results  # tools/: the results file the docs are built from
 
 SERVICE = "probe.Probe"
 HEALTH = "grpc.health.v1.Health"

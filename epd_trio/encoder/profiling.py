@@ -142,7 +142,7 @@ class Profiler:
         try:
             profile.stop()
             profile.export_chrome_trace(str(target / f"epd-trio-trace-at-shutdown-{next(self._names)}.json"))
-        except Exception:  # noqa: BLE001 - shutdown goes on (a failed device makes stop() raise)
+        except Exception:  # shutdown goes on (a failed device makes stop() raise)
             log.exception("the profile could not be stopped and written at shutdown")
 
     # ---- observer --------------------------------------------------------------
@@ -162,7 +162,7 @@ class Profiler:
             await self.stop()
         except ConflictError:  # already stopped by /stop_profile meanwhile
             pass
-        except Exception:  # noqa: BLE001 - this task runs in the service's nursery: never crash it
+        except Exception:  # this task runs in the service's nursery: never crash it
             # With CUDA, stopping synchronizes the device, which raises once a
             # worker has left it in a failed state; a full disk fails the export.
             log.exception("the profile could not be stopped and written")

@@ -41,7 +41,7 @@ from real_calls import Call, ScenarioReport, client_call, req_id_for
 from real_world import SETTLE_TIMEOUT, SLACK, _indexed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sglang"))
-from sglang_face_kit import encode_body, rank  # noqa: E402  (a rank's PULL socket, SGLang's bodies)
+from sglang_face_kit import encode_body, rank  # a rank's PULL socket, SGLang's bodies
 
 __all__ = ["run_endings_scenario"]
 

@@ -19,7 +19,7 @@ from epd_trio.protocol.codec import decode_safetensors
 if os.environ.get("EPD_REQUIRE_MOONCAKE") != "1":
     pytest.importorskip("mooncake.engine", reason="Mooncake is an optional extra (epd-trio[mooncake-cpu])")
 
-from epd_trio.transport.mooncake import MooncakeTransport, open_mooncake  # noqa: E402
+from epd_trio.transport.mooncake import MooncakeTransport, open_mooncake
 
 
 @asynccontextmanager

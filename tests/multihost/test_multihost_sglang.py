@@ -53,7 +53,7 @@ def listening(log: Path) -> bool:
 
 
 @pytest.fixture(scope="module")
-def site(sglang_env: SGLangEnv,  # noqa: F811 (the fixture imported above)
+def site(sglang_env: SGLangEnv,  # the fixture imported above
          checkpoints: dict[str, str],
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
     logs = tmp_path_factory.mktemp("multihost_sglang")

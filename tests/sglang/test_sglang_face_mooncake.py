@@ -24,7 +24,7 @@ from sglang_harness import Decoder, sglang_decoder, sglang_env  # noqa: F401 (fi
 if os.environ.get("EPD_REQUIRE_MOONCAKE") != "1":
     pytest.importorskip("mooncake.engine", reason="Mooncake is an optional extra (epd-trio[mooncake-cpu])")
 
-from epd_trio.transport.mooncake import open_mooncake  # noqa: E402
+from epd_trio.transport.mooncake import open_mooncake
 
 
 async def test_meta_then_send_per_rank_then_completion(

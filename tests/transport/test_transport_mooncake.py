@@ -25,9 +25,9 @@ import trio.testing
 if os.environ.get("EPD_REQUIRE_MOONCAKE") != "1":
     pytest.importorskip("mooncake.engine", reason="Mooncake is an optional extra (epd-trio[mooncake-cpu])")
 
-from epd_trio.errors import TransferTimeout, TransportError  # noqa: E402
-from epd_trio.transport import mooncake as mooncake_module  # noqa: E402
-from epd_trio.transport.mooncake import _SETTLE_LIMIT, open_mooncake  # noqa: E402
+from epd_trio.errors import TransferTimeout, TransportError
+from epd_trio.transport import mooncake as mooncake_module
+from epd_trio.transport.mooncake import _SETTLE_LIMIT, open_mooncake
 
 GLOG_INFO = re.compile(r"^I\d{4} ", re.MULTILINE)
 OPEN_ONE = """

@@ -41,20 +41,20 @@ from vllm_mooncake_kit import EcConsumer, ec_consumer, producer_config
 if os.environ.get("EPD_REQUIRE_MOONCAKE") != "1":
     pytest.importorskip("mooncake.engine", reason="Mooncake is an optional extra (epd-trio[mooncake-cpu])")
 
-from epd_trio.config import EncoderConfig, EngineConfig  # noqa: E402
-from epd_trio.encoder.server import serve_encoder  # noqa: E402
-from epd_trio.engine import open_engine  # noqa: E402
-from epd_trio.model.samples import sample_tone, sample_video  # noqa: E402
-from epd_trio.protocol.vllm_ec import Reservation  # noqa: E402
-from epd_trio.protocol.vllm_requests import ChatRequest, EcParams, transfer_ids  # noqa: E402
-from epd_trio.testing import assert_quiescent  # noqa: E402
-from epd_trio.transport.zmq_request import RequestSockets  # noqa: E402
+from epd_trio.config import EncoderConfig, EngineConfig
+from epd_trio.encoder.server import serve_encoder
+from epd_trio.engine import open_engine
+from epd_trio.model.samples import sample_tone, sample_video
+from epd_trio.protocol.vllm_ec import Reservation
+from epd_trio.protocol.vllm_requests import ChatRequest, EcParams, transfer_ids
+from epd_trio.testing import assert_quiescent
+from epd_trio.transport.zmq_request import RequestSockets
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def consumer(vllm_env: VllmEnv, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EcConsumer]:  # noqa: F811
+def consumer(vllm_env: VllmEnv, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EcConsumer]:
     with ec_consumer(vllm_env, tmp_path_factory.mktemp("logs") / "consumer.log") as running:
         yield running
 
@@ -342,7 +342,7 @@ print(json.dumps(out))
 """
 
 
-def test_items_get_the_transfer_ids_vllms_producer_gives_them(vllm_env: VllmEnv) -> None:  # noqa: F811
+def test_items_get_the_transfer_ids_vllms_producer_gives_them(vllm_env: VllmEnv) -> None:
     done = subprocess.run([str(vllm_env.python), "-c", RESOLVE_WITH_VLLM], input=json.dumps(TRANSFER_ID_CASES),
                           capture_output=True, text=True, env=vllm_env.environ(), timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -44,11 +44,11 @@ from vllm_mooncake_kit import consumer_config, producer_config
 if os.environ.get("EPD_REQUIRE_MOONCAKE") != "1":
     pytest.importorskip("mooncake.engine", reason="Mooncake is an optional extra (epd-trio[mooncake-cpu])")
 
-from epd_trio.config import EncoderConfig, EngineConfig  # noqa: E402
-from epd_trio.encoder.server import serve_encoder  # noqa: E402
-from epd_trio.model.samples import sample_video  # noqa: E402
-from epd_trio.model.tiny import make_tiny_model, servable_spec  # noqa: E402
-from epd_trio.testing import assert_quiescent  # noqa: E402
+from epd_trio.config import EncoderConfig, EngineConfig
+from epd_trio.encoder.server import serve_encoder
+from epd_trio.model.samples import sample_video
+from epd_trio.model.tiny import make_tiny_model, servable_spec
+from epd_trio.testing import assert_quiescent
 
 pytestmark = pytest.mark.slow
 TOKENS = 8
@@ -71,7 +71,7 @@ def control_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def reference(vllm_env: VllmEnv, model: str,  # noqa: F811
+def reference(vllm_env: VllmEnv, model: str,
               tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
     """Greedy tokens of vLLM alone: a shared-storage consumer with nothing stored encodes each item itself."""
     empty, logs = tmp_path_factory.mktemp("nothing-stored"), tmp_path_factory.mktemp("logs")
@@ -93,7 +93,7 @@ async def _beside_busy(vllm: VllmServer, body: dict[str, Any]) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def vllm(vllm_env: VllmEnv, model: str, control_port: int, reference: dict[str, list[int]],  # noqa: F811
+def vllm(vllm_env: VllmEnv, model: str, control_port: int, reference: dict[str, list[int]],
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
     log = tmp_path_factory.mktemp("logs") / "vllm.log"
     with vllm_consumer(vllm_env, model, None, log, ec=consumer_config(control_port, 64 << 20),

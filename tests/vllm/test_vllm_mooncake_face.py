@@ -21,9 +21,9 @@ from vllm_mooncake_kit import producer_config
 if os.environ.get("EPD_REQUIRE_MOONCAKE") != "1":
     pytest.importorskip("mooncake.engine", reason="Mooncake is an optional extra (epd-trio[mooncake-cpu])")
 
-from epd_trio.config import EncoderConfig, EngineConfig  # noqa: E402
-from epd_trio.encoder.server import serve_encoder  # noqa: E402
-from epd_trio.testing import assert_quiescent  # noqa: E402
+from epd_trio.config import EncoderConfig, EngineConfig
+from epd_trio.encoder.server import serve_encoder
+from epd_trio.testing import assert_quiescent
 
 
 def _mooncake(**extra: Any) -> str:

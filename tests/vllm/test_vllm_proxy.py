@@ -157,7 +157,7 @@ async def test_an_encoder_killed_mid_request_fails_over(model: str, storage: Pat
 
 
 @pytest.fixture(scope="module")
-def vllm_encoder(vllm_env: VllmEnv, model: str, storage: Path,  # noqa: F811
+def vllm_encoder(vllm_env: VllmEnv, model: str, storage: Path,
                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
     """vLLM's own encoder instance (``ec_role: ec_producer``) of the same storage."""
     log = tmp_path_factory.mktemp("logs") / "vllm-producer.log"
@@ -168,7 +168,7 @@ def vllm_encoder(vllm_env: VllmEnv, model: str, storage: Path,  # noqa: F811
 
 
 async def test_vllms_own_encoder_instance_serves_beside_ours(
-        model: str, storage: Path, vllm: VllmServer, vllm_encoder: VllmServer) -> None:  # noqa: F811
+        model: str, storage: Path, vllm: VllmServer, vllm_encoder: VllmServer) -> None:
     parts = [image(51), image(52)]  # one part each: vLLM's encoder first, then ours
     reference = await vllm_alone(vllm, parts, "reference-mixed")
     before = set(storage.iterdir())
