@@ -9,7 +9,7 @@ SIGTERM before those imports, and a program that only needs the errors stays lig
 import importlib as _importlib
 import typing as _typing
 
-from epd_trio._version import __version__
+from epd_trio._version import __version__ as __version__  # re-exported
 from epd_trio.config import BootstrapConfig, ClientConfig, EncoderConfig, EngineConfig, ProxyConfig
 from epd_trio.errors import (
     AbortedError,

@@ -230,7 +230,7 @@ def install_error_handlers(app: QuartTrio, what: str,
 
     @app.errorhandler(Exception)
     async def bug(exc: Exception) -> Response:
-        log.exception("unhandled error in a %s handler", what)
+        log.error("unhandled error in a %s handler", what, exc_info=exc)
         return respond(exc) if respond is not None else json_error(exc)
 
 

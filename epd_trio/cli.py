@@ -184,7 +184,8 @@ _ENCODER: Mapping[str, Any] = MappingProxyType({
     "description": ("Serve the encoder: requests come over HTTP (protocol v1, SGLang's encoder API "
                     "with --api sglang, vLLM's with --api vllm) and, with --grpc-port, gRPC; "
                     "embeddings leave inline, over ZMQ, through Mooncake or to vLLM's EC connector. "
-                    "SIGINT or SIGTERM lets in-flight requests finish (--drain-timeout), then exits 0.\n\nEvery option is also an EPD_* environment "
+                    "SIGINT or SIGTERM lets in-flight requests finish (--drain-timeout), then exits 0.\n\n"
+                    "Every option is also an EPD_* environment "
                     "variable (--max-batch-size: EPD_MAX_BATCH_SIZE); a flag wins over its variable. "
                     "A SIZE is bytes, or a number with a unit: 512KiB, 128MiB, 1GiB."),
     "epilog": """examples:

@@ -89,7 +89,7 @@ async def _until_registered(registry: Any, count: int, timeout: float = 30.0) ->
     import trio
 
     with trio.fail_after(timeout):
-        while len(registry.registry.healthy_urls()) < count:
+        while len(registry.registry.healthy_urls()) < count:  # noqa: ASYNC110 - no event says "count registered"
             await trio.sleep(0.01)
 
 

@@ -150,7 +150,7 @@ def cancelled_when_gone(handler: Callable[[bytes], Awaitable[Reply]]) -> Handler
             nursery.start_soon(_cancel_when_gone, until_gone, nursery.cancel_scope)
             try:
                 reply = await handler(body)
-            except Exception as exc:  # raised out here, not in the nursery's exception group
+            except Exception as exc:  # noqa: BLE001 - raised out here, not in the nursery's exception group
                 failure = exc
             nursery.cancel_scope.cancel()
         if failure is not None:

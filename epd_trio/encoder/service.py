@@ -284,7 +284,7 @@ class EncoderService:
                 raise scope.abort_reason or DeadlineExceeded(
                     f"request exceeded its deadline (--request-timeout {self.config.request_timeout} s, "
                     "or the caller's own)", req_id=request.req_id)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - _fail logs a bug, answers 500 and keeps serving
             await self._fail(scope, exc)
         finally:
             if not scope.ended:  # the request nursery itself was cancelled: a hard shutdown

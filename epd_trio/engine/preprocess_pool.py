@@ -125,7 +125,7 @@ def _child_preprocess(items: Sequence[Any], modality: str, indices: Sequence[int
         result = _CHILD["preprocessor"].preprocess(items, modality, indices)
     except EPDError as exc:
         return {"error": type(exc).__name__, "message": exc.message}
-    except Exception as exc:  # a bug: the parent's 500, with what a log needs
+    except Exception as exc:  # noqa: BLE001 - a bug: the parent's 500, with what a log needs
         return {"error": "EncodeError", "message": f"preprocessing failed: {type(exc).__name__}: {exc}"}
     return _to_shared(result, ticket)
 
@@ -185,7 +185,7 @@ def _discard(arena: SegmentArena, ticket: SlotTicket | None, future: Future) -> 
     """A cancelled request's answer, once its child is done: free its slot or segment."""
     try:
         answer = future.result()
-    except (CancelledError, Exception):
+    except (CancelledError, Exception):  # noqa: BLE001 - nobody waits for it: only its segment matters
         answer = {}
     if "segment" in answer:
         _unlink_segment(answer)

@@ -3,10 +3,10 @@
 A fresh segment per result costs more than the preprocessing it carries: the
 child faults in every page of a new segment as it writes, the parent faults
 them in again as it maps them, and both walk ``shm_open``/``ftruncate``/
-``mmap``/``unlink`` (measured: ``tools/bench_preprocess.py``'s CPU per image). So the parent owns a few segments, *slots* (the pool makes two per
-worker), and hands a free one to each call; a child keeps each slot it was given
-mapped between calls and writes into
-pages that are already resident, and the parent reads from its own standing
+``mmap``/``unlink`` (measured: ``tools/bench_preprocess.py``'s CPU per image). So the
+parent owns a few segments, *slots* (the pool makes two per worker), and hands a free
+one to each call; a child keeps each slot it was given mapped between calls and writes
+into pages that are already resident, and the parent reads from its own standing
 mapping. A result that does not fit goes the old way (a fresh segment) and the
 slot grows to fit the next one, up to ``SLOT_MAX_BYTES`` (a video's frames can
 be hundreds of MB: those always take a fresh segment, so the arena never pins

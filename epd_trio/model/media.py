@@ -7,8 +7,8 @@ images or arrays, or one 4-D array; in-process callers only), or
 against the item's bytes). Images are decoded here; videos in
 ``video.py``, audio in ``audio.py``.
 Fetching is async (trio + httpx), bounded in bytes and time, and every hop is
-checked by ``fetch_rules`` before it connects; decoding is blocking and runs in the preprocessing thread. Every failure is a
-``RequestError`` that names the item's index and the reason.
+checked by ``fetch_rules`` before it connects; decoding is blocking and runs in the
+preprocessing thread. Every failure is a ``RequestError`` that names the item's index and the reason.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def sample_video(frames: int = 8, fps: float = 4.0, width: int = 64, height: int
 
 def tone(seconds: float, rate: int = 16000, hz: float = 440.0, channels: int = 1) -> np.ndarray:
     """``[samples, channels]`` float32 sine; channel ``c`` at ``hz * (c + 1)``, amplitude 0.5."""
-    t = np.arange(int(round(seconds * rate))) / rate
+    t = np.arange(round(seconds * rate)) / rate
     return np.stack([0.5 * np.sin(2 * np.pi * hz * (c + 1) * t) for c in range(channels)],
                     axis=1).astype(np.float32)
 

@@ -118,7 +118,7 @@ def _opencv_source(data: bytes, index: int) -> tuple[int, float, int]:
             total = int(stream.frames)
             if total <= 0:
                 seconds = container.duration / av.time_base if container.duration else 0.0
-                total = int(math.floor(seconds * fps + 0.5))
+                total = math.floor(seconds * fps + 0.5)
             width, height = stream.codec_context.width, stream.codec_context.height
     except (av.FFmpegError, ValueError, IndexError) as exc:
         raise item_error(index, f"bytes are not a video in a known format ({exc})") from None

@@ -42,8 +42,8 @@ MODALITIES: Final = ("IMAGE", "VIDEO", "AUDIO")
 DELIVERIES: Final = ("sglang_zmq", "sglang_mooncake")  # the deliveries this face's requests name
 MAX_RECEIVE_COUNT: Final = 64
 MIN_BASE64: Final = 32  # shorter strings are taken as paths
-_HOST_PORT: Final = re.compile(rf"(\[[0-9A-Fa-f:.]+{ZMQ_ZONE}\]|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*{ZMQ_ZONE}|[A-Za-z0-9._-]+)"
-                               r":([0-9]{1,5})")
+_HOST_PORT: Final = re.compile(rf"(\[[0-9A-Fa-f:.]+{ZMQ_ZONE}\]|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*{ZMQ_ZONE}"
+                               r"|[A-Za-z0-9._-]+):([0-9]{1,5})")
 _SHA256: Final = re.compile(r"sha256:([0-9A-Fa-f]{64})")
 
 

@@ -1,8 +1,8 @@
 """One admission bound for all devices, and least-pending dispatch over their schedulers.
 
-Data parallel: one ``EncoderWorker`` and one ``Scheduler`` per device, all behind one ``Admission`` bound (``max_pending`` counts requests,
-whichever device they end up on). A request is preprocessed once, then handed
-to the live scheduler with the fewest requests pending; ties rotate, so
+Data parallel: one ``EncoderWorker`` and one ``Scheduler`` per device, all behind one
+``Admission`` bound (``max_pending`` counts requests, whichever device they end up on).
+A request is preprocessed once, then handed to the live scheduler with the fewest requests pending; ties rotate, so
 sequential requests spread over the devices too.
 
 When a device fails (``is_device_error``), its scheduler marks itself dead:

@@ -6,7 +6,8 @@ wraps an owner's seams (the engine's media source, preprocessing step and
 admission; a scheduler's forward; the service's deliveries; a Mooncake
 transport's writes; the client's dispatch, gather and demultiplexer hand-off)
 with wrappers that ask the plan, one installer module per part
-(``engine_faults``, ``encoder_faults``, ``transport_faults``, ``client_faults``). Without a plan nothing is wrapped, so it costs nothing.
+(``engine_faults``, ``encoder_faults``, ``transport_faults``, ``client_faults``). Without a
+plan nothing is wrapped, so it costs nothing.
 Plans are installed from Python only: no flag, variable or endpoint can reach them.
 
 ``assert_quiescent`` walks every owner's ``statistics()`` and checks that each

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from epd_trio.model.adapters.base import ModelAdapter, PreprocessResult
 
@@ -60,7 +60,7 @@ class Qwen2AudioAdapter(ModelAdapter):
         {"model.audio_tower.": "audio_tower.",
          "model.multi_modal_projector.": "multi_modal_projector."},
     )
-    processor_classes = {"audio": "AutoFeatureExtractor"}
+    processor_classes: ClassVar[dict[str, str]] = {"audio": "AutoFeatureExtractor"}
 
     def build_encoder(self, dtype: torch.dtype) -> nn.Module:
         from transformers.models.qwen2_audio import modeling_qwen2_audio as m
