@@ -23,7 +23,7 @@ async def test_bad_input_is_a_request_error_naming_the_item(qwen25_path: str) ->
             await engine.encode([png_bytes(32, 32)], "smell")
         with pytest.raises(RequestError, match="does not encode 'audio'"):
             await engine.encode([png_bytes(32, 32)], "audio")
-        with pytest.raises(RequestError, match="aspect ratio|item 0"):
+        with pytest.raises(RequestError, match=r"aspect ratio|item 0"):
             await engine.encode([png_bytes(3000, 10)], "image")
         ok = await engine.encode([png_bytes(32, 32)], "image")  # still serving
         stats = engine.statistics()

@@ -78,7 +78,7 @@ async def test_a_large_body_through_the_real_server(encoder) -> None:
     image = png_bytes(1024, 1024)
     uri = "data:image/png;base64," + base64.b64encode(image).decode()
     assert len(uri) > 2 * OFFLOAD_BODY_BYTES
-    async with encoder() as (server, http):
+    async with encoder() as (_server, http):
         answer = await http.post("/encode", json={"req_id": "big", "modality": "image",
                                                   "mm_items": [uri]}, timeout=60)
         assert answer.status_code == 200, answer.text

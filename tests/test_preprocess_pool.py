@@ -121,7 +121,7 @@ async def test_results_land_in_standing_slots(qwen25_path: str) -> None:
     async with open_preprocess_pool(PoolSpec(qwen25_path, limits), workers=1) as pool:
         # 224^2: 256 patches x 1176 float32 = 1.2 MB, a 2 MiB slot; 448^2's 4.8 MB fits none
         pool._arena.max_bytes = 2 << 20
-        for i in range(4):  # one at a time: each call takes the slot the last one gave back
+        for _i in range(4):  # one at a time: each call takes the slot the last one gave back
             got = await pool.preprocess(small, "image")
             assert torch.equal(got.inputs["pixel_values"], local.preprocess(small, "image").inputs["pixel_values"])
         s = pool.statistics()

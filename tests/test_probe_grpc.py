@@ -35,7 +35,7 @@ async def serving(probe: ModuleType, candidate: Serve) -> AsyncIterator[tuple[ob
 
 
 async def test_unary_echo_answers_the_bytes(probe: ModuleType, candidate: Serve) -> None:
-    async with serving(probe, candidate) as (service, target):
+    async with serving(probe, candidate) as (_service, target):
         payloads = [b"", b"a", bytes(range(256)) * 40]
         answers, _ = await trio.to_thread.run_sync(probe.echo_calls, target, payloads)
     assert answers == payloads
@@ -48,7 +48,7 @@ async def test_unknown_method_is_an_error_not_a_hang(probe: ModuleType, candidat
                 channel.unary_unary("/probe.Probe/Nope")(b"", timeout=10)
         return caught.value.code()
 
-    async with serving(probe, candidate) as (service, target):
+    async with serving(probe, candidate) as (_service, target):
         assert await trio.to_thread.run_sync(call) == grpc.StatusCode.UNIMPLEMENTED
 
 

@@ -47,7 +47,7 @@ def test_quiescence_names_owner_and_field() -> None:
     problems = quiescence_problems({"enc": Owner(Stats()), "client": busy})
     assert problems == ["client.live_requests=2 (idle is 0)", "client.outstanding.http://a.b:1=1 (idle is 0)",
                         "client.pool.used_bytes=64 (idle is 0)"]
-    with pytest.raises(NotQuiescent, match="client.live_requests=2"):
+    with pytest.raises(NotQuiescent, match=r"client.live_requests=2"):
         assert_quiescent({"client": busy})
     assert_quiescent({"remote": {"live_requests": 0, "registry": {"live_requests": 0}, "started": 9}})
     assert_quiescent({"c": Owner(Stats(live_requests=1))}, idle={"c.live_requests": 1})

@@ -17,7 +17,7 @@ def raised(exc: BaseException) -> BaseException:
     """``exc`` with a traceback, as a child task's exception has one."""
     try:
         raise exc
-    except BaseException as caught:
+    except BaseException as caught:  # noqa: BLE001 - only what was just raised
         return caught
 
 

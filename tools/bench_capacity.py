@@ -237,7 +237,7 @@ class Encoder:
         raise RuntimeError("the encoder did not become healthy")
 
     def sample(self) -> CpuSample:
-        status, stats = self.get("/stats")
+        _status, stats = self.get("/stats")
         ledger = {k: v["seconds"] for k, v in ((stats or {}).get("cpu_seconds") or {}).items()}
         cpu = read_cpu(self.pid)
         return CpuSample(cpu.total, cpu.main, cpu.zmq, cpu.children, ledger, cpu.grpc)
@@ -522,8 +522,8 @@ def report(rows: list[Row], alone: dict[tuple[str, int], dict[str, float]]) -> N
     table = []
     for r in sorted(rows, key=lambda r: (r.fmt, r.size, r.workers, r.tree, r.api)):
         a = alone.get((r.fmt, r.size), {})
-        table.append([*([r.tree] if trees else []), *([r.api] if apis else []), r.fmt, r.size, r.workers, f"{r.rate:.1f}",
-                      f"{r.scaling:.2f}", f"{r.cores:.2f}", f"{r.load_cores:.2f}",
+        table.append([*([r.tree] if trees else []), *([r.api] if apis else []), r.fmt, r.size, r.workers,
+                      f"{r.rate:.1f}", f"{r.scaling:.2f}", f"{r.cores:.2f}", f"{r.load_cores:.2f}",
                       *(f"{r.ms[c]:.2f}" for c in COLUMNS),
                       *(f"{a.get(k, float('nan')):.2f}" for k in ("decode", "proc", "body")), r.failures])
     note = ("CPU ms per image, server side, medians; cores / load: CPU seconds per second of the "

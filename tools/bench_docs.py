@@ -111,7 +111,8 @@ Not a speed measure: the real-clock chaos scenarios (client timeouts, dropped co
 stops reading) run against a registry and encoders in subprocesses, beside clean traffic to
 a clean encoder, for `--duration` seconds. Hangs, leaks and 5xx answers caused by client
 faults must be 0 (the tool exits 1 otherwise)."""),
-    "bench_epd": Section("Time to first token: vLLM alone against EPD", """A vLLM 0.32 server (its CPU build, an EC consumer of a shared directory) and epd_trio
+    "bench_epd": Section("Time to first token: vLLM alone against EPD",
+                         """A vLLM 0.32 server (its CPU build, an EC consumer of a shared directory) and epd_trio
 encoders (`--api vllm`) in processes of their own. Streamed chat requests, each with 1, 4 or
 8 new images (random pixels: no cache answers), go to vLLM alone (it encodes them itself)
 and through `epd-trio proxy` to the same vLLM with 1, 2 and 4 encoders; the setups take

@@ -566,7 +566,8 @@ def measure_and_report(args: argparse.Namespace) -> None:
     pixels = sum(im.width * im.height for im in map(decoded, images))
     print(f"{spec}\ntorch {torch.__version__}, threads={torch.get_num_threads()} "
           f"(interop {torch.get_num_interop_threads()}), dtype={args.dtype}, "
-          f"device={args.device}, cpu_count={os.cpu_count()}, preprocess_workers={args.preprocess_workers or 'default'}, "
+          f"device={args.device}, cpu_count={os.cpu_count()}, "
+          f"preprocess_workers={args.preprocess_workers or 'default'}, "
           f"coalesce_delay={args.coalesce_delay}, "
           f"bare loop on {'the main' if args.bare_in_main_thread else 'a worker'} thread, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}\n"

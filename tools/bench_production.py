@@ -62,7 +62,7 @@ async def cache_latencies(model_dir: Path, items: list[bytes], args: argparse.Na
             httpx.AsyncClient(base_url=server.url, timeout=300) as http:
         engine = server.service.engine
         await engine.encode([bench_engine.make_images(1, [224], 999, "jpeg")[0]])  # warm-up
-        for n, item in enumerate(items):
+        for item in items:
             for kind in ("miss", "hit"):
                 t0 = time.perf_counter()
                 await engine.encode([item])

@@ -40,8 +40,8 @@ whole process ("proc cpu": with OpenMP threads spinning it is far above the
 wall time, and on a loaded machine that spinning, not our code, makes the
 p99). The gRPC server runs on its own thread (an asyncio loop) and grpcio
 has threads of its own, so for ``grpc`` "loop cpu" is only the trio side's
-share (client call, bridge task, service); "proc cpu" has all of it. ``--breakdown`` adds the pieces in between (the request scope without
-HTTP, and bare HTTP round trips); ``--profile PATH...`` prints cProfile's
+share (client call, bridge task, service); "proc cpu" has all of it. ``--breakdown`` adds the
+pieces in between (the request scope without HTTP, and bare HTTP round trips); ``--profile PATH...`` prints cProfile's
 self time by layer for those paths (the forward and the preprocessing run in
 worker threads and do not show up: they are the engine's share anyway).
 

@@ -139,7 +139,7 @@ async def clean_loop(world: World, client: Any, sink: list[float], tally: Tally,
         try:
             async with await client.encode({"image": world.media.items(indices)}, timeout=LONG) as result:
                 problem = world.refs.check_result(indices, result)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure of a clean request is counted and shown
             problem = f"{type(exc).__name__}: {exc}"
         if problem:
             tally.clean_failures += 1
@@ -207,11 +207,12 @@ async def run_chaos(world: World, tally: Tally, seeds: Iterator[int], args: argp
 
         async def one(seed: int) -> None:
             try:
-                reports.append(await run_scenario(world, seed, clean=False, settle_after=False))
-            except Exception as exc:  # a crash of the harness is a violation too, with its seed
+                reports.append(await run_scenario(  # noqa: B023 - run to its end in this iteration's nursery
+                    world, seed, clean=False, settle_after=False))
+            except Exception as exc:  # noqa: BLE001 - a crash of the harness is a violation too, with its seed
                 crashed = ScenarioReport(seed, kind_of(seed))
                 crashed.violate("unexpected", f"the scenario crashed: {exc!r}")
-                reports.append(crashed)
+                reports.append(crashed)  # noqa: B023 - ditto
 
         async with trio.open_nursery() as nursery:
             for seed in batch:
@@ -259,7 +260,7 @@ def table_rows(tally: Tally, args: argparse.Namespace, wall: float) -> list[tupl
     b, d = tally.baseline, tally.during
     rows = [
         ("run", f"{args.encoders} encoders + bootstrap + clean encoder (subprocesses), parallel "
-                f"{args.parallel}, chaos {'%d scenarios' % args.count if args.count else '%g s' % args.duration},"
+                f"{args.parallel}, chaos {f'{args.count:d} scenarios' if args.count else f'{args.duration:g} s'},"
                 f"{f', then {args.endings} seeds on each endings stage (in process)' if args.endings else ''},"
                 f" wall {wall:.0f} s"),
         ("scenarios run", f"{sum(tally.scenarios.values())} ({kinds})"),

@@ -205,7 +205,7 @@ class AsyncioToTrio:
             with scope:
                 try:
                     result = outcome.Value(await fn(*args))
-                except Exception as exc:  # handed to the handler, which raises it
+                except Exception as exc:  # noqa: BLE001 - handed to the handler, which raises it
                     result = outcome.Error(exc)
             with contextlib.suppress(RuntimeError):  # the asyncio loop is closed: nobody waits
                 loop.call_soon_threadsafe(settle, result)
@@ -307,7 +307,7 @@ class AioServerThread:
     def _main(self) -> None:
         try:
             asyncio.run(self._serve())
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - the thread's end, reported to the trio side
             if self._result is None:
                 self._report(outcome.Error(exc))
 
@@ -728,7 +728,7 @@ def server_process(name: str, conn: Any, extra_path: str) -> None:
         sys.setswitchinterval(interval)
     try:
         trio.run(_serve_until_told, name, conn)
-    except BaseException as exc:  # reported in the table
+    except BaseException as exc:  # noqa: BLE001 - reported in the table
         with contextlib.suppress(OSError):
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
@@ -781,7 +781,7 @@ def run_candidate(name: str, args: argparse.Namespace) -> Row:
             return Row(name, CANDIDATES[name].title, note=f"server failed: {value}")
         try:
             return measure(name, f"127.0.0.1:{value}", args)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - one candidate's failure is its row's note
             note = f"client failed: {type(exc).__name__}: {exc}"
             return Row(name, CANDIDATES[name].title, note=note)
     finally:

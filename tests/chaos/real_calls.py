@@ -114,7 +114,7 @@ async def client_call(world: World, report: ScenarioReport, client: Any, label: 
                 report.violate("unexpected", f"{label}: {type(exc).__name__}: {exc}")
             if client_fault_only and isinstance(exc, RemoteEncodeError) and exc.status_code >= 500:
                 report.violate("client_5xx", f"{label}: {exc.status_code} {exc}")
-        except Exception as exc:  # anything else is not a typed error
+        except Exception as exc:  # noqa: BLE001 - anything else is not a typed error: a violation
             call.outcome, call.error = "error", type(exc).__name__
             report.violate("untyped", f"{label}: {type(exc).__name__}: {exc!r}")
     call.elapsed = trio.current_time() - t0

@@ -106,7 +106,7 @@ async def test_streamed_body_over_the_limit_is_413(encoder: Any) -> None:
         for _ in range(10):
             yield b" " * 400
 
-    async with encoder(max_body_bytes=3000) as (server, http):
+    async with encoder(max_body_bytes=3000) as (_server, http):
         r = await http.post("/encode", content=chunks(), headers={"content-type": "application/json"})
         assert r.status_code == 413 and r.headers["connection"] == "close"
         assert (await http.get("/stats")).json()["live_requests"] == 0

@@ -101,7 +101,7 @@ BAD = [
 
 
 async def test_bad_input_gets_a_clear_4xx_and_nothing_is_lost(encoder: Any) -> None:
-    async with encoder(max_image_pixels=100_000, max_body_bytes=200_000) as (server, http):
+    async with encoder(max_image_pixels=100_000, max_body_bytes=200_000) as (_server, http):
         for name, body, status, message, req_id in BAD:
             content = body if isinstance(body, bytes) else json.dumps(body).encode()
             r = await http.post("/encode", content=content, headers={"content-type": "application/json"})

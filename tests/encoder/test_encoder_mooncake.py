@@ -213,8 +213,8 @@ async def test_abort_says_not_released_while_a_write_is_in_flight(encoder: Any) 
 
 
 async def test_abort_says_released_once_the_part_has_let_go(encoder: Any) -> None:
-    async with encoder(transfer_backend="mooncake", send_timeout=5.0) as (server, http), \
-            receiver(1 << 16) as (mc, buf):
+    async with encoder(transfer_backend="mooncake", send_timeout=5.0) as (_server, http), \
+            receiver(1 << 16) as (_mc, _buf):
         await http.post("/encode", json=body("r", png_bytes(56, 56)))  # staged, no /send yet
         answer = await http.post("/abort", json={"req_id": "r"})
     assert answer.json() == {"req_id": "r", "aborted": 1, "released": True}

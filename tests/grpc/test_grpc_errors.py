@@ -24,9 +24,9 @@ TINY = image_uri(28, 28)  # the smallest image the tiny model takes: one merged 
 MAX_BODY = 16384
 
 # The table: HTTP status → gRPC code; 413 (and 431) RESOURCE_EXHAUSTED, anything else INTERNAL.
-EXPECTED = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 408: "DEADLINE_EXCEEDED", 409: "ALREADY_EXISTS",
-            413: "RESOURCE_EXHAUSTED", 431: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 503: "UNAVAILABLE",
-            504: "DEADLINE_EXCEEDED"}
+EXPECTED = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 408: "DEADLINE_EXCEEDED",
+            409: "ALREADY_EXISTS", 413: "RESOURCE_EXHAUSTED", 431: "RESOURCE_EXHAUSTED", 499: "CANCELLED",
+            503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
 
 
 # ---- the one table -------------------------------------------------------------------

@@ -160,7 +160,7 @@ class Served:
 
     def start(self) -> None:
         env = {**os.environ, "EPD_LOG_LEVEL": "WARNING"}
-        self._log = tempfile.TemporaryFile()
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the process; stop() closes it
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "epd_trio.cli", self.role, "--port", "0", "--http-server", self.server,
              *self.args], stdout=subprocess.PIPE, stderr=self._log, env=env)

@@ -60,8 +60,8 @@ class MediaServer:
                 head += chunk
             lines = head.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")
             path = lines[0].split(" ")[1]
-            headers = dict((k.strip().lower(), v.strip())
-                           for k, _, v in (line.partition(":") for line in lines[1:]))
+            headers = {k.strip().lower(): v.strip()
+                       for k, _, v in (line.partition(":") for line in lines[1:])}
             self.requests.append((path, headers))
             try:
                 await self._answer(stream, self.routes.get(path, Route(404, b"not found")))

@@ -207,7 +207,7 @@ def test_odd_audio_is_a_request_error(checkpoints: dict[str, str], name: str, it
 def test_audio_length_cap_is_checked(checkpoints: dict[str, str]) -> None:
     enc = load_encoder(checkpoints["qwen2_audio"])
     pre = EncoderPreprocessor(enc.adapter, enc.processors, MediaLimits(max_audio_seconds=2.0))
-    with pytest.raises(PayloadTooLargeError, match="item 1: audio is 3.0 s long, over the cap of 2 s"):
+    with pytest.raises(PayloadTooLargeError, match=r"item 1: audio is 3.0 s long, over the cap of 2 s"):
         pre.preprocess([wav(noise(1.0, 0)), sample_tone(3.0, 44100, fmt="FLAC")], "audio")
     # A format libsndfile does not read goes through PyAV, with the same cap.
     m4a = _aac(3.0)

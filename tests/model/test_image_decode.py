@@ -174,7 +174,7 @@ def test_a_processor_out_of_memory_on_the_device_is_a_503_not_the_items_fault(  
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
 
     monkeypatch.setitem(pre.processors, "image", out_of_memory)
-    with pytest.raises(OverloadedError, match="item 0: the preprocessing device .* is out of memory"):
+    with pytest.raises(OverloadedError, match=r"item 0: the preprocessing device .* is out of memory"):
         pre.preprocess([encoded(random_image(56, 56), "PNG")], "image")
 
 

@@ -72,13 +72,13 @@ def test_unknown_family_names_the_supported(tmp_path: Path) -> None:
 
 
 def test_not_a_checkpoint(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match="no config.json"):
+    with pytest.raises(ModelLoadError, match=r"no config.json"):
         load_encoder(tmp_path)
 
 
 def test_missing_weights(tmp_path: Path, qwen25_path: str) -> None:
     (tmp_path / "config.json").write_text(Path(qwen25_path, "config.json").read_text())
-    with pytest.raises(ModelLoadError, match="model.safetensors"):
+    with pytest.raises(ModelLoadError, match=r"model.safetensors"):
         load_encoder(tmp_path)
 
 

@@ -98,13 +98,13 @@ async def test_bad_items(name: str, items: list, message: str) -> None:
 @pytest.mark.parametrize("url", ["file:///etc/passwd", "FTP://x/y.png", "gopher://x/"])
 async def test_a_refused_scheme_is_a_fetch_rule(url: str) -> None:
     """Rule 1 refuses like the others: a ``FetchRefusedError`` (400), before anything connects."""
-    with pytest.raises(FetchRefusedError, match="item 0: URL scheme '(file|ftp|gopher)' is not allowed") as info:
+    with pytest.raises(FetchRefusedError, match=r"item 0: URL scheme '(file|ftp|gopher)' is not allowed") as info:
         await load([url])
     assert info.value.status_code == 400
 
 
 async def test_http_error_status(web: MediaServer) -> None:
-    with pytest.raises(RequestError, match="item 0: fetching .*/missing.png gave HTTP 404"):
+    with pytest.raises(RequestError, match=r"item 0: fetching .*/missing.png gave HTTP 404"):
         await load([web.url("/missing.png")])
 
 
@@ -140,14 +140,14 @@ async def test_size_caps_and_lying_content_lengths(web: MediaServer) -> None:
         "/understates": Route(body=b"x" * 5000, content_length=500),       # lies downwards
         "/truncated": Route(body=b"x" * 50, content_length=100),           # promises more than it sends
     })
-    with pytest.raises(PayloadTooLargeError, match="item 0: .* is 5000 bytes by its Content-Length, over 1000"):
+    with pytest.raises(PayloadTooLargeError, match=r"item 0: .* is 5000 bytes by its Content-Length, over 1000"):
         await load([web.url("/big")], limits)
     with pytest.raises(PayloadTooLargeError, match="is 1000000000000 bytes by its Content-Length"):
         await load([web.url("/claims-huge")], limits)
-    with pytest.raises(PayloadTooLargeError, match="item 0: .*/no-length is over 1000 bytes"):
+    with pytest.raises(PayloadTooLargeError, match=r"item 0: .*/no-length is over 1000 bytes"):
         await load([web.url("/no-length")], limits)
     assert await load([web.url("/understates")], limits) == [b"x" * 500]  # framed by what it said
-    with pytest.raises(RequestError, match="item 0: fetching .*/truncated failed: RemoteProtocolError"):
+    with pytest.raises(RequestError, match=r"item 0: fetching .*/truncated failed: RemoteProtocolError"):
         await load([web.url("/truncated")], limits)
     with pytest.raises(PayloadTooLargeError, match="item 1: data URI"):
         await load([png_bytes(4, 4), data_uri(b"y" * 5000)], limits)
@@ -199,7 +199,7 @@ async def test_media_root_escapes_are_refused(tmp_path: Path) -> None:
     for item in ["../secret.png", str(secret), "link.png"]:
         with pytest.raises(RequestError, match="item 0: path is outside the media root"):
             await load([item], limits)
-    with pytest.raises(RequestError, match="item 0: cannot read nope.png"):
+    with pytest.raises(RequestError, match=r"item 0: cannot read nope.png"):
         await load(["nope.png"], limits)
     (root / "a.png").write_bytes(png_bytes(4, 4))
     (root / "loop").symlink_to(root / "loop")
@@ -329,7 +329,7 @@ async def test_redirects_to_refused_places_connect_to_nothing(web: MediaServer) 
         assert info.value.status_code == 400
         if path != "/loop":  # the one hop to our server, and nothing to where it pointed
             assert seen == [web.url(path)], path
-    with pytest.raises(FetchRefusedError, match="item 0: host 'notok.test.attacker' is not in the"):
+    with pytest.raises(FetchRefusedError, match=r"item 0: host 'notok.test.attacker' is not in the"):
         await load(["http://notok.test.attacker/a.png"], limits, dns)
     assert "notok.test.attacker" not in dns.asked and "elsewhere.test" not in dns.asked
 

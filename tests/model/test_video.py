@@ -177,7 +177,8 @@ ODD = [
     ("corrupt bytes", [sample_video(4), b"\x00\x01garbage" * 50], RequestError, "item 1: video cannot be decoded"),
     ("truncated file", [sample_video(20)[:900]], RequestError, "item 0: video"),
     ("audio, not video", [sample_tone(0.5)], RequestError, "item 0: the file has no video stream"),
-    ("frames of two sizes", [[ONE_FRAME, ONE_FRAME.resize((32, 32))]], RequestError, "item 0: video frames differ in size"),
+    ("frames of two sizes", [[ONE_FRAME, ONE_FRAME.resize((32, 32))]], RequestError,
+     "item 0: video frames differ in size"),
     ("float frames", [np.zeros((4, 8, 8, 3), np.float32)], RequestError, "item 0: frame 0 must be .* uint8"),
     ("a PIL image", [ONE_FRAME], RequestError, "item 0: a video item must be a video file or a list of frames"),
     # the caps are checked on the header's size: a frame that grows past it is refused before it is kept

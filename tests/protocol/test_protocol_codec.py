@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -272,7 +273,7 @@ def error_map(**error: Any) -> dict[str, Any]:
         (frames_of(valid_map()), "needs a tensor frame"),
         (frames_of(valid_map(), bytes(63)), "63 bytes, header says 64"),
         (frames_of(valid_map(), bytes(65)), "65 bytes, header says 64"),
-        (frames_of(valid_map(), bytes(32)) + [bytes(31)], "63 bytes, header says 64"),
+        ([*frames_of(valid_map(), bytes(32)), bytes(31)], "63 bytes, header says 64"),
         ([msgpack.packb(valid_map())] + [b""] * (MAX_PAYLOAD_FRAMES + 1), "tensor frames"),
         ([], "empty message"),
         (frames_of(error_map(), b""), "no tensor frame"),
@@ -430,7 +431,7 @@ json_like = st.recursive(
     | st.dictionaries(st.text(max_size=12), inner, max_size=5),
     max_leaves=20,
 )
-header_keys = st.sampled_from(sorted(valid_map()) + ["error", "x"])
+header_keys = st.sampled_from([*sorted(valid_map()), "error", "x"])
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -455,7 +456,7 @@ def test_fuzz_payload_cut_anywhere_round_trips(cuts: list[int]) -> None:
     t = random_bits((8, 4), torch.float16, seed=len(cuts))  # 64 bytes
     head, payload = (bytes(f) for f in encode_zmq_message(image_header(t), t, frame_bytes=64))
     edges = [0, *sorted(cuts), 64]
-    frames = [head, *(payload[a:b] for a, b in zip(edges, edges[1:]))]
+    frames = [head, *(payload[a:b] for a, b in itertools.pairwise(edges))]
     _, got = decode_zmq_message(frames)
     assert got is not None and torch.equal(bits(got.tensor()), bits(t))
 

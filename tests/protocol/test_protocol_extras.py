@@ -121,7 +121,7 @@ def test_bad_extras_in_a_zmq_message() -> None:
     m = {**header_to_map(video_header(extras=None)), "extras": {"t": [1.0, math.inf]}}
     with pytest.raises(ProtocolError, match="finite numbers"):
         decode_zmq_message(frames_of(m))
-    with pytest.raises(ProtocolError, match="got `int` - at `key` in `\\$.extras`"):
+    with pytest.raises(ProtocolError, match=r"got `int` - at `key` in `\$.extras`"):
         header_from_map({**m, "extras": {7: [1.0, 2.0]}})  # msgpack would refuse it earlier
 
 
@@ -198,7 +198,7 @@ def test_meta_extras_are_optional_and_checked() -> None:
     meta = parse_meta(httpx.Response(200, json=meta_body(extras=EXTRAS)), "v", 0, 1)
     assert meta.extras == EXTRAS and meta.to_json()["extras"] == EXTRAS
     assert meta.to_json() == dataclasses.asdict(meta)  # every field, built by hand
-    with pytest.raises(ProtocolError, match="bad /encode answer.*one entry per item"):
+    with pytest.raises(ProtocolError, match=r"bad /encode answer.*one entry per item"):
         parse_meta(httpx.Response(200, json=meta_body(extras={"t": [1.0]})), "v", 0, 1)
 
 

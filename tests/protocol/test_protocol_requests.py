@@ -56,7 +56,8 @@ def test_refusals_name_the_field(change: dict, message: str) -> None:
         parse_encode_request({**BASE, **change}, max_items=4)
 
 
-@pytest.mark.parametrize("endpoint", ["tcp://h:0", "tcp://h", "udp://h:1", "ipc://", "tcp://h:1/x", 5, "tcp://" + "h" * 600 + ":1",
+@pytest.mark.parametrize("endpoint", ["tcp://h:0", "tcp://h", "udp://h:1", "ipc://", "tcp://h:1/x", 5,
+                                      "tcp://" + "h" * 600 + ":1",
                                       "tcp://h:\u0661\u0662\u0663"])  # Arabic-Indic digits: not a port
 def test_bad_endpoints(endpoint: object) -> None:
     with pytest.raises(RequestError):

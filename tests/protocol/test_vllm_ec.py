@@ -139,6 +139,6 @@ def test_the_connector_says_where_each_items_delivery_goes() -> None:
     assert (delivery.backend, delivery.endpoints, delivery.transfer_ids) == (
         "vllm_mooncake", ("tcp://10.0.0.2:5",), ("t1",))
     assert push.answered_ids(ids) == tuple(ids)
-    with pytest.raises(RequestError, match="ec_transfer_params.consumer_zmq") as caught:
+    with pytest.raises(RequestError, match=r"ec_transfer_params.consumer_zmq") as caught:
         push.check(ChatRequest("req", None, items))
     assert caught.value.req_id == "req"

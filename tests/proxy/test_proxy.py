@@ -241,7 +241,7 @@ async def test_deadlines_on_the_encoders_and_on_the_language_server() -> None:
 async def test_over_max_requests_is_a_503_at_once() -> None:
     language = FakeLanguageServer(stall=True)
     async with serving(language) as lm, \
-            proxied(["http://127.0.0.1:9"], [lm], max_requests=1) as (server, http), \
+            proxied(["http://127.0.0.1:9"], [lm], max_requests=1) as (_server, http), \
             trio.open_nursery() as nursery:
         nursery.start_soon(functools.partial(http.post, CHAT, json=_chat()))
         with trio.fail_after(10):

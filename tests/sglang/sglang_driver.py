@@ -86,7 +86,7 @@ def decode_case(name: str, case: dict[str, Any], tensors: dict[str, Any]) -> dic
         frames = [zmq.Frame(Path(f).read_bytes()) for f in files]
         try:
             obj = safe_pickle_loads(frames[0])
-        except Exception as exc:  # what SGLang's receiver would log and drop
+        except Exception as exc:  # noqa: BLE001 - what SGLang's receiver would log and drop
             parts.append({"refused": f"{type(exc).__name__}: {exc}"})
             continue
         record: dict[str, Any] = {
@@ -130,7 +130,7 @@ def decode_serve(lines: Any) -> None:
     for line in lines:
         try:
             decode(Path(line.strip()))
-        except Exception as exc:  # this directory failed; the next one is served
+        except Exception as exc:  # noqa: BLE001 - this directory failed (printed); the next one is served
             traceback.print_exc()
             say("FAILED", f"{type(exc).__name__}: {exc}".replace("\n", " "))
 

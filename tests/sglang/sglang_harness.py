@@ -104,7 +104,7 @@ class DriverProcess:
         try:
             words = self._lines.get(timeout=timeout)
         except queue.Empty:
-            raise AssertionError(f"the SGLang driver said nothing for {timeout} s\n{self.log_tail()}")
+            raise AssertionError(f"the SGLang driver said nothing for {timeout} s\n{self.log_tail()}") from None
         assert words is not None, f"the SGLang driver exited\n{self.log_tail()}"
         return words
 

@@ -309,7 +309,7 @@ def encode_in_thread(tokenizer: Any, rid: str, mm_data: Any, endpoint: str, assi
         error = asyncio.run(tokenizer.encode(req_id=rid, mm_data=mm_data, embedding_port=None,
                                              endpoint_encode=endpoint, num_items_assigned=assigned,
                                              encode_urls=urls))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any dispatch failure becomes SGLang's error request
         error = EncoderDispatchErrorReq(rid=rid, error_msg=str(exc),
                                         error_code=int(HTTPStatus.BAD_GATEWAY))
     if error is not None and on_dispatch_error is not None:

@@ -72,7 +72,7 @@ def test_an_error_frame_names_no_tensor_code() -> None:
 def test_frame1_is_the_c_contiguous_little_endian_bytes(dtype: torch.dtype, numpy_le: str) -> None:
     values = torch.arange(24, dtype=torch.float32).reshape(4, 6).to(dtype)
     transposed = values.t()  # not contiguous: the writer must send the logical [6, 4] layout
-    frame0, frame1 = sglang.embedding_message(transposed, req_id="r", part_idx=0, num_parts=1,
+    _frame0, frame1 = sglang.embedding_message(transposed, req_id="r", part_idx=0, num_parts=1,
                                               modality="image", grid=[[1, 4, 6]])
     got = np.frombuffer(frame1, dtype=numpy_le).reshape(6, 4)
     assert np.array_equal(got, transposed.contiguous().numpy())

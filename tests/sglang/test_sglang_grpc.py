@@ -268,7 +268,7 @@ async def test_embedding_ports(encoder: Any, backend: str) -> None:
 
 
 # ---- beyond SGLang: the items say their modality -------------------------------------------
-@pytest.mark.parametrize("item, modality", [
+@pytest.mark.parametrize(("item", "modality"), [
     ("data:image/png;base64,AAAA", "image"), ("data:VIDEO/mp4;base64,AAAA", "video"),
     ("data:audio/wav;base64,AAAA", "audio"), ("https://host/clip.mp4?sig=1#t=2", "video"),
     ("file:///media/a.wav", "audio"), ("/media/b.webm", "video"), ("photo.jpeg", "image"),

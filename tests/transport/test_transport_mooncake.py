@@ -85,7 +85,7 @@ async def test_a_submit_stuck_on_a_silent_peer_is_under_the_deadline(
             assert not mc.in_use(region)
             virtual_time(autojump_clock)
             start = trio.current_time()
-            with pytest.raises(TransferTimeout, match="took over 2.0 s"):
+            with pytest.raises(TransferTimeout, match=r"took over 2.0 s"):
                 await mc.write(peer, source.data_ptr(), 1 << 20, source.numel(), timeout=2.0,
                                keepalive=source)
             # The deadline, then the bounded wait for the engine to stop; not the engine's minute.
@@ -169,7 +169,7 @@ def stuck_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[StuckEngine]:
 async def test_initialize_has_a_deadline(autojump_clock: trio.testing.MockClock,
                                          stuck_engine: StuckEngine) -> None:
     start = trio.current_time()
-    with pytest.raises(TransportError, match="did not start on 127.0.0.1 over tcp within 5 s"):
+    with pytest.raises(TransportError, match=r"did not start on 127.0.0.1 over tcp within 5 s"):
         async with open_mooncake("127.0.0.1", start_timeout=5.0):
             pytest.fail("a stuck engine started")
     assert trio.current_time() - start == 5.0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import trio
 import trio.testing
 
@@ -38,7 +40,7 @@ async def test_pauses_never_exceed_max_pause(autojump_clock: trio.testing.MockCl
         return trio.current_time() >= 10.0
 
     await poll_until(done, max_pause=0.05)
-    gaps = [b - a for a, b in zip(looks, looks[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(looks)]
     assert max(gaps) <= 0.05 + 1e-9 and trio.current_time() <= 10.05 + 1e-9
 
 

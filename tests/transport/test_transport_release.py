@@ -85,7 +85,7 @@ async def test_a_send_within_the_budget_returns_before_the_peer_reads() -> None:
                     await cache.send(rx.last_endpoint, frames, 20.0)
                 assert rx.statistics().received == 0
                 got = [await rx.receive() for _ in sent]
-    for (tensor, _), (header, payload) in zip(sent, got):
+    for (tensor, _), (_header, payload) in zip(sent, got):
         assert payload is not None and torch.equal(payload.tensor().view(torch.int16),
                                                    tensor.view(torch.int16))
 

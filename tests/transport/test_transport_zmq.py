@@ -166,7 +166,7 @@ async def test_many_concurrent_senders_share_one_socket(ipc_endpoint: str) -> No
     got = {}
     async with PushSocketCache(sndhwm=1) as cache:
         async with trio.open_nursery() as nursery:
-            for req_id, (_, frames) in sent.items():
+            for _, frames in sent.values():
                 nursery.start_soon(cache.send, ipc_endpoint, frames, 20.0)
             # Nobody listens yet (IMMEDIATE): no send can complete. Once every task
             # is blocked, all n senders are waiting on the one socket.
@@ -243,7 +243,7 @@ async def test_malformed_messages_are_dropped_and_counted(receiver: PullReceiver
     raw = ctx.socket(zmq.PUSH)
     try:
         raw.connect(receiver.last_endpoint)
-        tensor, frames = embedding(4, 8, "good")
+        _tensor, frames = embedding(4, 8, "good")
         for garbage in ([b"\xc1"], [b"a", b"b", b"c"], [frames[0]], [frames[0], b"short"]):
             raw.send_multipart(garbage)
         raw.send_multipart(frames)
@@ -298,7 +298,7 @@ async def test_lru_evicts_the_least_recently_used(receiver: PullReceiver) -> Non
     async with PullReceiver() as rx2, PullReceiver() as rx3:
         endpoints = [receiver.last_endpoint, rx2.last_endpoint, rx3.last_endpoint]
         async with PushSocketCache(max_sockets=2) as cache:
-            for endpoint in endpoints + [endpoints[0]]:
+            for endpoint in [*endpoints, endpoints[0]]:
                 await cache.send(endpoint, [b"not a header"], 5.0)
             stats = cache.statistics()
             assert "sockets: 2/2" in repr(cache)

@@ -69,7 +69,7 @@ async def test_no_reply_is_a_timeout_at_the_deadline_and_its_socket_is_closed(
         autojump_clock: trio.testing.MockClock) -> None:
     async with RequestSockets() as sockets:
         start = trio.current_time()
-        with pytest.raises(TransferTimeout, match="no reply from tcp://127.0.0.1:.* within 3 s"):
+        with pytest.raises(TransferTimeout, match=r"no reply from tcp://127.0.0.1:.* within 3 s"):
             await sockets.request(nobody(), {"op": "peers"}, timeout=3.0)
         assert trio.current_time() - start == 3.0
         stats = sockets.statistics()

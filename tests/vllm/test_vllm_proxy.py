@@ -96,7 +96,7 @@ async def vllm_metric(http: httpx.AsyncClient, name: str) -> float:
     """One of vLLM's own Prometheus metrics, summed over its labels."""
     text = (await http.get("/metrics")).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+               if line.startswith((name + "{", name + " ")))
 
 
 async def test_a_caller_leaving_a_stream_aborts_vllms_request(model: str, storage: Path,
