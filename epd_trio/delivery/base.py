@@ -38,6 +38,8 @@ from epd_trio.errors import EPDError, PeerUnavailable, TransferTimeout, Transpor
 from epd_trio.protocol.requests import EncodeMeta, EncodeRequest
 
 if TYPE_CHECKING:
+    import torch
+
     from epd_trio.delivery.vllm_mooncake import EcControl
     from epd_trio.transport.mooncake import MooncakeTransport
     from epd_trio.transport.zmq import PushSocketCache
@@ -74,7 +76,7 @@ class Answer:
     """
 
     meta: EncodeMeta
-    embedding: Any = None  # torch.Tensor [tokens, dim]; None in an early answer
+    embedding: torch.Tensor | None = None  # [tokens, dim]; None in an early answer
     body: bytes | None = None
     nbytes: int | None = None
 
@@ -87,7 +89,7 @@ class Delivery(Protocol):
 
     def sized(self, meta: EncodeMeta) -> Answer | None: ...
 
-    async def deliver(self, embedding: Any, meta: EncodeMeta) -> Answer: ...
+    async def deliver(self, embedding: torch.Tensor, meta: EncodeMeta) -> Answer: ...
 
     async def fail(self, error: EPDError) -> None: ...
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable, Callable
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import trio
 
@@ -18,6 +18,9 @@ from epd_trio.delivery.base import Answer, DeliveryContext
 from epd_trio.errors import EPDError
 from epd_trio.protocol.codec import encode_safetensors
 from epd_trio.protocol.requests import EncodeMeta, EncodeRequest
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["OFFLOAD_BYTES", "InlineDelivery"]
 
@@ -46,7 +49,7 @@ class InlineDelivery:
     def sized(self, meta: EncodeMeta) -> Answer | None:
         return None
 
-    async def deliver(self, embedding: Any, meta: EncodeMeta) -> Answer:
+    async def deliver(self, embedding: torch.Tensor, meta: EncodeMeta) -> Answer:
         build = functools.partial(encode_safetensors, embedding, {
             "req_id": meta.req_id, "part_idx": meta.part_idx, "num_parts": meta.num_parts,
             "modality": meta.modality, "token_counts": meta.token_counts,

@@ -133,7 +133,7 @@ class MooncakeDelivery:
     async def written(self, order: SendOrder) -> None:
         """After one order's bytes are in place, before it counts as served (a hook)."""
 
-    async def deliver(self, embedding: Any, meta: EncodeMeta) -> Answer:
+    async def deliver(self, embedding: torch.Tensor, meta: EncodeMeta) -> Answer:
         with map_exceptions(TRANSPORT_ERRORS, "mooncake delivery"):
             await self._serve(embedding)
         self.mailbox.close(self._released())
@@ -150,7 +150,7 @@ class MooncakeDelivery:
         r = self._request
         return UnknownRequestError(f"request {r.req_id!r} part {r.part_idx} was released", req_id=r.req_id)
 
-    async def _serve(self, embedding: Any) -> None:
+    async def _serve(self, embedding: torch.Tensor) -> None:
         """Serve orders until ``receive_count`` destinations have the bytes.
 
         Raises ``TransferTimeout`` when they do not all ask within the send

@@ -14,7 +14,7 @@ native Mooncake delivery's (registration, child task per order, send timeout).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from epd_trio.delivery.base import Answer, DeliveryContext, push
 from epd_trio.delivery.mooncake import Mailbox, MooncakeDelivery, SendOrder, _nbytes
@@ -25,6 +25,9 @@ from epd_trio.protocol.requests import EncodeMeta, EncodeRequest
 from epd_trio.protocol.sglang import embedding_frame, meta_fields
 from epd_trio.transport.mooncake import MooncakeTransport
 from epd_trio.transport.zmq import PushSocketCache
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["MAX_RECEIVERS", "SGLangMooncakeDelivery", "SGLangOrder"]
 
@@ -100,7 +103,7 @@ class SGLangMooncakeDelivery(MooncakeDelivery):
         await push(self._sockets, order.completion, [self._notice], self._timeout,
                    "ZMQ completion notice")
 
-    async def deliver(self, embedding: Any, meta: EncodeMeta) -> Answer:
+    async def deliver(self, embedding: torch.Tensor, meta: EncodeMeta) -> Answer:
         self._publish(meta)  # a cached part was never sized
         self._notice = embedding_frame(dtype=embedding.dtype, shape=embedding.shape,
                                        **meta_fields(meta))

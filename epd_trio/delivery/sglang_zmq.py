@@ -13,7 +13,7 @@ frame-0-only error message (``epd_trio.protocol.sglang``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -23,6 +23,9 @@ from epd_trio.errors import EPDError, TransferTimeout
 from epd_trio.protocol.requests import EncodeMeta, EncodeRequest
 from epd_trio.protocol.sglang import embedding_message, error_message, meta_fields
 from epd_trio.transport.zmq import PushSocketCache
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["SGLangZmqDelivery", "tcp_endpoint"]
 
@@ -59,7 +62,7 @@ class SGLangZmqDelivery:
         self._claim()  # registrations wait for a claim: tell them this part is live
         return None  # SGLang's answer comes after every destination has the part
 
-    async def deliver(self, embedding: Any, meta: EncodeMeta) -> Answer:
+    async def deliver(self, embedding: torch.Tensor, meta: EncodeMeta) -> Answer:
         frames = embedding_message(embedding, **meta_fields(meta))
         await self._send_all(frames)
         return Answer(meta, embedding)

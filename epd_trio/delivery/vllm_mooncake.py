@@ -180,7 +180,7 @@ class VllmMooncakeDelivery:
     def sized(self, meta: EncodeMeta) -> Answer | None:
         return None  # the destinations are reserved once the bytes exist
 
-    async def deliver(self, embedding: Any, meta: EncodeMeta) -> Answer:
+    async def deliver(self, embedding: torch.Tensor, meta: EncodeMeta) -> Answer:
         source = embedding.contiguous()
         items = self._items(source, meta)
         self._control.live.add(self)

@@ -26,7 +26,7 @@ import os
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Final
 
 import trio
 
@@ -34,13 +34,16 @@ from epd_trio.delivery.base import Answer, DeliveryContext, map_exceptions
 from epd_trio.errors import EPDError, PeerUnavailable, RequestError
 from epd_trio.protocol.requests import EncodeMeta, EncodeRequest
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["FILE_NAME", "TENSOR_NAME", "VllmStorageDelivery", "write_item"]
 
 FILE_NAME: Final = "encoder_cache.safetensors"
 TENSOR_NAME: Final = "ec_cache"
 
 
-def write_item(root: Path, mm_hash: str, embedding: Any) -> Path:
+def write_item(root: Path, mm_hash: str, embedding: torch.Tensor) -> Path:
     """Write one item's ``embedding`` atomically under ``root/mm_hash`` (blocking)."""
     from safetensors.torch import save
 
@@ -98,7 +101,7 @@ class VllmStorageDelivery:
     def sized(self, meta: EncodeMeta) -> Answer | None:
         return None  # nothing to reserve: the files appear when they are whole
 
-    async def deliver(self, embedding: Any, meta: EncodeMeta) -> Answer:
+    async def deliver(self, embedding: torch.Tensor, meta: EncodeMeta) -> Answer:
         if len(meta.token_counts) != len(self.hashes):
             raise EPDError(f"{len(meta.token_counts)} embeddings for {len(self.hashes)} items")
         with map_exceptions({OSError: PeerUnavailable}, f"writing to the shared storage {self.root}"):
@@ -106,7 +109,7 @@ class VllmStorageDelivery:
                                           limiter=self._threads)
         return Answer(meta)
 
-    def _write_all(self, embedding: Any, token_counts: Sequence[int]) -> None:
+    def _write_all(self, embedding: torch.Tensor, token_counts: Sequence[int]) -> None:
         start, written = 0, set()
         for mm_hash, count in zip(self.hashes, token_counts, strict=True):
             if mm_hash not in written:

@@ -9,13 +9,16 @@ fast instead of waiting for their timeout.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from epd_trio.delivery.base import Answer, DeliveryContext, fan_out, push
 from epd_trio.errors import EPDError
 from epd_trio.protocol.codec import encode_zmq_message, error_message, header_for
 from epd_trio.protocol.requests import EncodeMeta, EncodeRequest
 from epd_trio.transport.zmq import PushSocketCache
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["ZmqDelivery"]
 
@@ -39,7 +42,7 @@ class ZmqDelivery:
     def sized(self, meta: EncodeMeta) -> Answer | None:
         return None  # the JSON answer waits until the bytes are handed to ZMQ
 
-    async def deliver(self, embedding: Any, meta: EncodeMeta) -> Answer:
+    async def deliver(self, embedding: torch.Tensor, meta: EncodeMeta) -> Answer:
         header = header_for(embedding, req_id=meta.req_id, part_idx=meta.part_idx,
                             num_parts=meta.num_parts, modality=meta.modality,
                             token_counts=meta.token_counts, grid_thw=meta.grid_thw,

@@ -31,7 +31,10 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["CacheEntry", "CacheStatistics", "EmbeddingCache", "content_digest", "item_key"]
 
@@ -40,7 +43,7 @@ _DIGEST_BYTES = 32
 
 @dataclass(frozen=True)
 class CacheEntry:
-    embedding: Any  # torch.Tensor [token_count, dim] on the host, owned by the cache
+    embedding: torch.Tensor  # [token_count, dim] on the host, owned by the cache
     token_count: int
     grid_thw: tuple[int, int, int] | None
     extras: Mapping[str, Any] = field(default_factory=dict)  # one value per extras key
@@ -139,7 +142,7 @@ class EmbeddingCache:
         self._hits += 1
         return entry
 
-    def put(self, key: bytes, embedding: Any, token_count: int, grid_thw: Sequence[int] | None,
+    def put(self, key: bytes, embedding: torch.Tensor, token_count: int, grid_thw: Sequence[int] | None,
             extras: Mapping[str, Any]) -> None:
         """Store a private copy of ``embedding``; evict the least recently used to make room."""
         entry = CacheEntry(embedding.detach().clone(memory_format=_contiguous()), token_count,

@@ -19,11 +19,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from epd_trio.engine.cache import CacheEntry, EmbeddingCache, item_key
 from epd_trio.errors import RequestError
 from epd_trio.model.adapters import PreprocessResult
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["CachePlan", "EncodeAll", "EncodeOutput", "EncodePlan", "given_names"]
 
@@ -33,7 +36,7 @@ class EncodeOutput:
     """Embeddings of one request's items, concatenated in item order."""
 
     modality: str
-    embedding: Any  # torch.Tensor [sum(token_counts), dim]
+    embedding: torch.Tensor  # [sum(token_counts), dim]
     token_counts: list[int]
     grid_thw: list[tuple[int, int, int]]
     # Per-item values the language side needs (each list has one entry per
@@ -52,8 +55,9 @@ class EncodeOutput:
 class EncodePlan(Protocol):
     """What the engine's one encode path asks of a plan."""
 
-    # The items as loaded while planning (content keys need the bytes), else None.
-    loaded: list[Any] | None
+    @property
+    def loaded(self) -> list[Any] | None:
+        """The items as loaded while planning (content keys need the bytes), else None."""
 
     @property
     def needs_forward(self) -> bool:
@@ -65,7 +69,7 @@ class EncodePlan(Protocol):
     def describe(self, pre: PreprocessResult | None) -> PreprocessResult:
         """The whole request's sizes, for ``on_preprocessed``."""
 
-    def finish(self, pre: PreprocessResult | None, embedding: Any) -> EncodeOutput:
+    def finish(self, pre: PreprocessResult | None, embedding: torch.Tensor | None) -> EncodeOutput:
         """The answer, in item order, from the forward's output (None if nothing ran)."""
 
 
@@ -83,8 +87,8 @@ class EncodeAll:
         assert pre is not None, "EncodeAll always runs the forward"
         return pre
 
-    def finish(self, pre: PreprocessResult | None, embedding: Any) -> EncodeOutput:
-        assert pre is not None, "EncodeAll always runs the forward"
+    def finish(self, pre: PreprocessResult | None, embedding: torch.Tensor | None) -> EncodeOutput:
+        assert pre is not None and embedding is not None, "EncodeAll always runs the forward"
         return EncodeOutput(pre.modality, embedding, list(pre.token_counts), list(pre.grid_thw),
                             {key: list(values) for key, values in pre.extras.items()})
 
@@ -127,9 +131,10 @@ class CachePlan:
                                 tuple(p.grid_thw for p in parts if p.grid_thw is not None),
                                 tuple(p.token_count for p in parts), _join_extras(parts))
 
-    def finish(self, pre: PreprocessResult | None, embedding: Any) -> EncodeOutput:
+    def finish(self, pre: PreprocessResult | None, embedding: torch.Tensor | None) -> EncodeOutput:
         """Store the misses' rows, then answer from hits and misses in item order."""
         if pre is not None:
+            assert embedding is not None, "a forward ran for the misses"
             self._store_misses(pre, embedding)
         parts = _item_parts(self.entries, pre)
         return EncodeOutput(self.modality, _join_rows(self.entries, pre, embedding),
@@ -137,7 +142,7 @@ class CachePlan:
                             [p.grid_thw for p in parts if p.grid_thw is not None], _join_extras(parts),
                             forwarded=pre is not None)
 
-    def _store_misses(self, pre: PreprocessResult, embedding: Any) -> None:
+    def _store_misses(self, pre: PreprocessResult, embedding: torch.Tensor) -> None:
         """``embedding`` holds the misses' rows, in their order."""
         misses = self.misses
         start = 0
@@ -196,12 +201,14 @@ def _join_extras(parts: Sequence[_ItemPart]) -> dict[str, list[Any]]:
 
 
 def _join_rows(entries: Sequence[CacheEntry | None], misses: PreprocessResult | None,
-               embedding: Any) -> Any:
+               embedding: torch.Tensor | None) -> torch.Tensor:
     """The answer's rows in item order. With any hit it is a new tensor (``torch.cat``
     allocates), so the caller owns it; with none, the forward's own output (no copy)."""
     import torch
 
     if all(entry is None for entry in entries):
+        assert embedding is not None, "all misses: the forward ran"
         return embedding
-    rows = iter(torch.split(embedding, list(misses.token_counts)) if misses is not None else ())
+    rows = iter(torch.split(embedding, list(misses.token_counts))
+                if misses is not None and embedding is not None else ())
     return torch.cat([entry.embedding if entry is not None else next(rows) for entry in entries])

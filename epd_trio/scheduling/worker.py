@@ -18,11 +18,14 @@ import time
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from epd_trio.errors import EncodeError
 from epd_trio.model.adapters import PreprocessResult
 from epd_trio.model.loader import LoadedEncoder
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["EncoderWorker", "NullForwardWorker", "WorkerStatistics"]
 
@@ -117,14 +120,14 @@ class EncoderWorker:
             output = adapter.forward(self.encoder.module, inputs)
             return self._to_host(output)
 
-    def _to_device(self, tensor: Any) -> Any:
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.device == self.device:
             return tensor  # --preprocess-device put it here already (its stream synchronized)
         if tensor.is_cuda or not self._cuda:  # another device's preprocessing
             return tensor.to(self.device)
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
-    def _to_host(self, output: Any) -> Any:
+    def _to_host(self, output: torch.Tensor) -> torch.Tensor:
         import torch
 
         if not self._cuda:

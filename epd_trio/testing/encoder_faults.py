@@ -17,6 +17,8 @@ from epd_trio.errors import AbortedError, EPDError, UnknownRequestError
 from epd_trio.protocol.requests import EncodeMeta, EncodeRequest
 
 if TYPE_CHECKING:
+    import torch
+
     from epd_trio.testing import FaultPlan
 
 __all__ = ["FaultyDelivery", "FaultyPulledDelivery", "install"]
@@ -38,7 +40,7 @@ class FaultyDelivery:
     def sized(self, meta: EncodeMeta) -> Answer | None:
         return self.inner.sized(meta)
 
-    async def deliver(self, embedding: Any, meta: EncodeMeta) -> Answer:
+    async def deliver(self, embedding: torch.Tensor, meta: EncodeMeta) -> Answer:
         if not isinstance(self.inner, InlineDelivery):  # the answer is no transport that can fail
             await self._plan.inject("send", cancel=self._cancel)
         return await self.inner.deliver(embedding, meta)
