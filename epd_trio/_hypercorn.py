@@ -172,6 +172,8 @@ class _Connection(Wire):
     def _interim(self) -> bytes | None:
         """The half-close probe: none to HTTP/1.0, none once the answer has begun."""
         connection = self.protocol.connection
+        if not isinstance(connection, h11.Connection):  # a WebSocket one: no interim answer
+            return None
         if connection.their_http_version == b"1.1" and connection.our_state is h11.SEND_RESPONSE:
             return connection.send(h11.InformationalResponse(status_code=100, headers=[]))
         return None

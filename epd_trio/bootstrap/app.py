@@ -45,7 +45,7 @@ def create_app(registry: Registry, health: HealthLoop, *, auth_token: str | None
 
 
 async def _url_from_body() -> str:
-    body = parse_json_body(await request.get_data(cache=False))
+    body = parse_json_body(await request.get_data(cache=False, as_text=False, parse_form_data=False))
     if "url" not in body:
         raise RequestError("body must be {\"url\": \"http://host:port\"}")
     return normalize_url(body["url"])

@@ -99,14 +99,14 @@ def _routes(app: QuartTrio, service: EncoderService) -> None:
         report = await service.check_health()
         if report.status == "draining":
             return json_response({"status": "draining"}, 503)
-        body = {"status": report.status, "probed": report.probed, "detail": report.detail}
+        body: dict[str, Any] = {"status": report.status, "probed": report.probed, "detail": report.detail}
         if report.dead_workers:
             body["dead_workers"] = list(report.dead_workers)
         return json_response(body, 200 if report.healthy else 503)
 
     @app.post("/start_profile")
     async def start_profile() -> Response:
-        raw = await request.get_data(cache=False)
+        raw = await request.get_data(cache=False, as_text=False, parse_form_data=False)
         output_dir, num_steps = parse_profile_request(parse_json_body(raw) if raw.strip() else {})
         target = service.profiler.start(output_dir, num_steps)
         return json_response({"status": "started", "output_dir": str(target), "num_steps": num_steps})

@@ -37,6 +37,7 @@ import trio
 from werkzeug.exceptions import MethodNotAllowed
 
 from epd_trio._http import BearerAuth, Reply, face_error_reply, guarded_app, read_body, send_reply
+from epd_trio._serving import ASGIApp
 from epd_trio.errors import EPDError
 
 __all__ = ["ASGIApp", "BareRoutes", "ErrorReply", "Handler", "RouteLimits", "UntilGone",
@@ -44,8 +45,6 @@ __all__ = ["ASGIApp", "BareRoutes", "ErrorReply", "Handler", "RouteLimits", "Unt
 
 log = logging.getLogger(__name__)
 
-ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[dict[str, Any]]],
-                    Callable[[dict[str, Any]], Awaitable[None]]], Awaitable[None]]
 UntilGone = Callable[[], Awaitable[None]]
 """Returns once the request's client has left (its body read, nothing else can come)."""
 Handler = Callable[[bytes, UntilGone], Awaitable[Reply | None]]

@@ -189,7 +189,7 @@ def unary(bridge: TrioBridge, handler: Handler, *, method: str, auth: BearerAuth
     async def rpc(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             if auth is not None:
-                auth.check(dict(context.invocation_metadata()).get("authorization"), method)
+                auth.check(_authorization(context), method)
             if isinstance(request, Undecodable) and not sees_undecodable:
                 raise request.error()
             remaining = context.time_remaining()
@@ -230,6 +230,12 @@ class Undecodable:
 
     def error(self) -> RequestError:
         return RequestError(f"the request is not a valid {self.message_name} message")
+
+
+def _authorization(context: grpc.aio.ServicerContext) -> str | None:
+    """The call's ``authorization`` metadata (a text key: never bytes; none: missing)."""
+    value = dict(context.invocation_metadata() or ()).get("authorization")
+    return value if isinstance(value, str) else None
 
 
 def decoded(message: Any) -> Any:
@@ -274,7 +280,7 @@ def _guard(handler: Any, method: str) -> Any:
             async for response in behaviour(request, context):
                 yield response
     elif inspect.iscoroutinefunction(behaviour):
-        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:  # type: ignore[misc]
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if isinstance(request, Undecodable):
                 await abort(context, request.error(), method)
             return await behaviour(request, context)

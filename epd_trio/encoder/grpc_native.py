@@ -31,9 +31,10 @@ class _Native:
         config = self.service.config
         with self.service.parsing():
             # grpcio's own limit is max(256 MiB, --max-body-bytes); ours is HTTP's, with HTTP's words.
-            if decoded(message).ByteSize() > config.max_body_bytes:
+            body: pb.EncodeRequest = decoded(message)
+            if body.ByteSize() > config.max_body_bytes:
                 raise PayloadTooLargeError(BODY_TOO_LARGE)
-            request = parse_encode_request(encode_body(message), max_items=config.max_items)
+            request = parse_encode_request(encode_body(body), max_items=config.max_items)
         answer = await self.service.encode(request, deadline=call.request_deadline)
         return pb.EncodeResponse(meta=meta_message(answer.meta), safetensors=answer.body or b"",
                                  nbytes=answer.nbytes or 0)

@@ -62,7 +62,7 @@ class JsonBodies:
 
     async def of_request(self, parse: JsonParser = parse_json_body) -> dict[str, Any]:
         """The body of the Quart request being handled, parsed."""
-        return await self.parse(await request.get_data(cache=False), parse)
+        return await self.parse(await request.get_data(cache=False, as_text=False, parse_form_data=False), parse)
 
     def __repr__(self) -> str:
         return f"<JsonBodies {self.threads.borrowed_tokens}/{self.threads.total_tokens} threads busy>"

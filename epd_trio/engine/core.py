@@ -74,7 +74,9 @@ class MediaSource(Protocol):
 class AdmissionGate(Protocol):
     """The shared admission bound, as the engine enters it (``Admission``)."""
 
-    admitted: int
+    @property
+    def admitted(self) -> int:
+        """Requests inside the bound now."""
 
     def enter(self, *, bypass: bool = False) -> AbstractAsyncContextManager[None]: ...
 

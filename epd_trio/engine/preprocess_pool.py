@@ -47,7 +47,7 @@ import trio
 
 import epd_trio.errors as errors
 from epd_trio._util import wait_done
-from epd_trio.engine.shm_arena import ChildSlots, SegmentArena, SlotTicket, layout_of, write_tensors
+from epd_trio.engine.shm_arena import ChildSlots, SegmentArena, SlotTicket, layout_of, mapping, write_tensors
 from epd_trio.errors import EncodeError, EPDError, ModelLoadError
 from epd_trio.model.adapters import PreprocessResult
 from epd_trio.model.media import MediaLimits
@@ -141,7 +141,7 @@ def _to_shared(result: PreprocessResult, ticket: SlotTicket | None) -> dict[str,
         return {**answer, "slot": ticket.index}
     segment = SharedMemory(create=True, size=max(size, 1))
     try:
-        write_tensors(segment.buf, tensors, layout)
+        write_tensors(mapping(segment), tensors, layout)
     except BaseException:
         segment.close()
         segment.unlink()
@@ -282,7 +282,7 @@ class PreprocessPool:
             return _result(answer, _read_tensors(self._arena.buffer(ticket), answer["tensors"]))
         segment = SharedMemory(name=answer["segment"])
         try:
-            inputs = _read_tensors(segment.buf, answer["tensors"])
+            inputs = _read_tensors(mapping(segment), answer["tensors"])
         finally:
             segment.unlink()
             segment.close()

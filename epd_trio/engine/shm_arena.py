@@ -25,7 +25,7 @@ from multiprocessing.shared_memory import SharedMemory
 from typing import Any, Final
 
 __all__ = ["ALIGN", "SLOT_MAX_BYTES", "ArenaStatistics", "ChildSlots", "SegmentArena", "SlotTicket",
-           "layout_of", "write_tensors"]
+           "layout_of", "mapping", "write_tensors"]
 
 ALIGN: Final = 64  # each tensor starts on a cache line of its segment
 SLOT_MAX_BYTES: Final = 64 << 20
@@ -103,7 +103,7 @@ class SegmentArena:
         """The parent's mapping of a slot its child wrote into (held while the ticket is)."""
         segment = self._segments[ticket.index]
         assert segment is not None and segment.name == ticket.name
-        return segment.buf
+        return mapping(segment)
 
     def grow(self, ticket: SlotTicket, needed: int) -> None:
         """After a miss: give the slot (still held by the caller) room for ``needed`` bytes."""
@@ -111,6 +111,7 @@ class SegmentArena:
             return
         size = min(self.max_bytes, -(-needed // _GROW_ROUND) * _GROW_ROUND)
         fresh = SharedMemory(create=True, size=size)
+        old: SharedMemory | None
         with self._lock:
             if self._closed:  # a copy that finished after the pool closed: keep nothing
                 old = fresh
@@ -147,7 +148,15 @@ class ChildSlots:
             if mapped is not None:
                 mapped.close()
             mapped = self._mapped[ticket.index] = SharedMemory(name=ticket.name)
-        return mapped.buf
+        return mapping(mapped)
+
+
+def mapping(segment: SharedMemory) -> memoryview:
+    """An open segment's bytes (``SharedMemory.buf`` is ``None`` only once it is closed)."""
+    buf = segment.buf
+    if buf is None:
+        raise RuntimeError(f"shared-memory segment {segment.name} is closed")
+    return buf
 
 
 def _drop(segment: SharedMemory) -> None:

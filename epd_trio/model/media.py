@@ -153,7 +153,7 @@ OFFLOAD_BYTES: Final = 1 << 20
 OFFLOAD_THREADS: Final = 2
 
 
-def _read_regular_file(path: Path, limit: int, index: int, shown: str) -> bytes:
+def _read_regular_file(path: os.PathLike[str], limit: int, index: int, shown: str) -> bytes:
     """A regular file's bytes, at most ``limit`` of them; anything else is refused.
 
     Opened without blocking and checked on the open descriptor, so a FIFO or a
@@ -296,7 +296,8 @@ class MediaLoader:
         limit = self.limits.max_item_bytes
         chunks, size = [], 0
         with trio.CancelScope() as reading:
-            async with aclosing(response.aiter_bytes()) as body:
+            # httpx types aiter_bytes() as an AsyncIterator; it is an async generator (aclose).
+            async with aclosing(response.aiter_bytes()) as body:  # type: ignore[type-var]
                 async for chunk in body:
                     size += len(chunk)
                     if size > limit:

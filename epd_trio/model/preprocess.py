@@ -114,6 +114,7 @@ class EncoderPreprocessor:
         if is_frame_list(item):
             clip = frames_clip(item, index, self.limits, self.sampling, min_frames)
         else:
+            assert self._sampler is not None  # made with the video processor
             clip = decode_video(item, index, self.limits, self._sampler, min_frames)
         processed = _call(index, "video processor", processor, videos=[clip.frames],
                           video_metadata=[clip.metadata()], do_sample_frames=False,

@@ -38,6 +38,8 @@ def sample_video(frames: int = 8, fps: float = 4.0, width: int = 64, height: int
     buf = io.BytesIO()
     with av.open(buf, mode="w", format=container) as out:
         stream = out.add_stream(codec, rate=Fraction(fps).limit_denominator(1000))
+        if not isinstance(stream, av.VideoStream):
+            raise ValueError(f"{codec!r} is not a video codec")
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         for frame in generated_frames(frames, width, height, seed):
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):

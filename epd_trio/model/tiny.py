@@ -94,8 +94,8 @@ def _config(spec: TinySpec) -> Any:
     if spec.arch == "qwen2_audio":
         return _audio_config(spec)
     text = _text_config(spec)
-    special = {"image_token_id": 3, "video_token_id": 4, "vision_start_token_id": 5,
-               "vision_end_token_id": 6}
+    special: dict[str, Any] = {"image_token_id": 3, "video_token_id": 4, "vision_start_token_id": 5,
+                               "vision_end_token_id": 6}
     if spec.arch == "qwen2_5_vl":
         vision = {
             "depth": spec.vision_depth, "hidden_size": spec.vision_hidden,

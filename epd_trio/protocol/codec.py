@@ -23,10 +23,12 @@ from epd_trio.protocol.messages import (
     DTYPES,
     MAX_ERROR_MESSAGE,
     MAX_HEADER_BYTES,
+    MODALITIES,
     PROTOCOL_VERSION,
     Dtype,
     EmbeddingHeader,
     ErrorInfo,
+    Modality,
     decode_header,
     encode_header,
     header_from_map,
@@ -99,7 +101,7 @@ def header_for(
         req_id=req_id,
         part_idx=part_idx,
         num_parts=num_parts,
-        modality=modality,
+        modality=_wire_modality(modality),
         dtype=dtype_name(tensor.dtype),
         shape=(tensor.shape[0], tensor.shape[1]),
         token_counts=list(token_counts),
@@ -130,6 +132,13 @@ def encode_zmq_message(header: EmbeddingHeader, tensor: torch.Tensor | None, *,
     return [head, *split_frames(tensor_bytes(tensor), frame_bytes)]
 
 
+def _wire_modality(modality: str) -> Modality:
+    """``modality`` as the header's schema types it; requests were checked on the way in."""
+    if modality not in MODALITIES:
+        raise ValueError(f"modality must be one of {', '.join(MODALITIES)}, got {modality!r}")
+    return cast(Modality, modality)
+
+
 def error_message(
     req_id: str, part_idx: int, num_parts: int, modality: str, exc: BaseException
 ) -> list[FrameLike]:
@@ -149,7 +158,7 @@ def error_message(
         req_id=req_id,
         part_idx=part_idx,
         num_parts=num_parts,
-        modality=modality,
+        modality=_wire_modality(modality),
         dtype="float32",  # required by the schema; meaningless without a tensor
         shape=(0, 0),
         token_counts=[],

@@ -60,7 +60,8 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
         t = t.detach().cpu().contiguous()
     if not t.nbytes:
         return memoryview(b"")  # cast() refuses a shape with a zero in it
-    return memoryview(np.asarray(_HostMemory(t))).cast("B")
+    # numpy's stubs declare ndarray.__buffer__ only for Python >= 3.12; 3.11 has the protocol too.
+    return memoryview(np.asarray(_HostMemory(t))).cast("B")  # type: ignore[arg-type]
 
 
 def split_frames(data: memoryview, frame_bytes: int = PAYLOAD_FRAME_BYTES) -> list[memoryview]:

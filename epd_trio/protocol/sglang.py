@@ -25,9 +25,9 @@ import enum
 import io
 import math
 import pickle
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
@@ -80,16 +80,21 @@ _DTYPE_NAMES: Final[Mapping[torch.dtype, str]] = MappingProxyType(
     {dtype: name for name, dtype in TORCH_DTYPES.items()})
 
 
-class _SGLangPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
+class _SGLangPickler(pickle._Pickler):
     """The C pickler looks every global up by importing it; this one writes the
     stand-ins under SGLang's names, so neither sglang nor a fake of it is imported."""
+
+    if TYPE_CHECKING:  # the pure-Python pickler's internals, which typeshed does not list
+        save: Callable[[object], None]
+        write: Callable[[bytes], None]
+        memoize: Callable[[object], None]
 
     def save_global(self, obj: object, name: str | None = None) -> None:
         target = _GLOBAL_NAMES.get(obj) if isinstance(obj, type) else None
         if isinstance(obj, torch.dtype) and obj in _DTYPE_NAMES:
             target = ("torch", _DTYPE_NAMES[obj])
         if target is None:
-            super().save_global(obj, name)
+            super().save_global(obj, name)  # type: ignore[misc]  # an internal typeshed does not list
             return
         self.save(target[0])
         self.save(target[1])

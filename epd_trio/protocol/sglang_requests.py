@@ -15,7 +15,7 @@ from __future__ import annotations
 import binascii
 import re
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeGuard
 from urllib.parse import unquote, urlsplit
 
 import pybase64
@@ -47,7 +47,7 @@ _HOST_PORT: Final = re.compile(rf"(\[[0-9A-Fa-f:.]+{ZMQ_ZONE}\]|[0-9A-Fa-f:.]*:[
 _SHA256: Final = re.compile(r"sha256:([0-9A-Fa-f]{64})")
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -39,9 +39,9 @@ def install(plan: FaultPlan | None, owner: Any) -> bool:
     for holder, name in _SEAMS:
         vars(owner if holder is None else getattr(owner, holder)).pop(name, None)
     if plan is not None:
-        owner.router.post = _dispatch(plan, owner.router.post)  # type: ignore[method-assign]
-        owner._assemble = _gather(plan, owner._assemble)  # type: ignore[method-assign]
-        owner.demux.hand_off = _demux(plan, owner.demux)  # type: ignore[method-assign]
+        owner.router.post = _dispatch(plan, owner.router.post)  # type: ignore[method-assign,assignment]
+        owner._assemble = _gather(plan, owner._assemble)  # type: ignore[method-assign,assignment]
+        owner.demux.hand_off = _demux(plan, owner.demux)  # type: ignore[method-assign,assignment]
     return True
 
 

@@ -235,8 +235,7 @@ class TrioSocket:
         for i, part in enumerate(parts):
             flags = _NOBLOCK_MORE if i < last else _NOBLOCK
             if i == tracked:
-                tracker = cast(zmq.MessageTracker,
-                               self.socket.send(part, flags, copy=False, track=True))
+                tracker = self.socket.send(part, flags, copy=False, track=True)
             else:
                 self.socket.send(part, flags, copy=False)
         return tracker

@@ -102,17 +102,19 @@ class Qwen2AudioAdapter(ModelAdapter):
         from transformers.masking_utils import create_bidirectional_mask
 
         features, frame_mask = inputs["input_features"], inputs["feature_attention_mask"]
-        tower = module.audio_tower
+        tower: Any = module.audio_tower  # transformers' Qwen2AudioEncoder: its own methods and config
         feat_lengths, output_lengths = tower._get_feat_extract_output_lengths(frame_mask.sum(-1))
         batch, _, max_mel_frames = features.shape
         max_len = (max_mel_frames - 2) // 2 + 1
         positions = torch.arange(max_len, dtype=feat_lengths.dtype, device=feat_lengths.device)
         mask_2d = (positions[None, :] < feat_lengths[:, None]).to(torch.long)
-        dummy = torch.zeros((batch, max_len, 1), dtype=module.dtype, device=features.device)
+        dtype: torch.dtype = module.dtype  # type: ignore[assignment]  # the module's dtype property
+        dummy = torch.zeros((batch, max_len, 1), dtype=dtype, device=features.device)
         attention_mask = create_bidirectional_mask(
             config=tower.config, inputs_embeds=dummy, attention_mask=mask_2d
         )
         hidden = tower(features, attention_mask=attention_mask).last_hidden_state
-        audio = module.multi_modal_projector(hidden)
+        projector: nn.Module = module.multi_modal_projector  # type: ignore[assignment]  # set in __init__
+        audio = projector(hidden)
         keep = torch.arange(audio.shape[1], device=audio.device)[None, :] < output_lengths[:, None]
         return audio[keep]

@@ -84,7 +84,8 @@ class _QwenVisionAdapter(ModelAdapter):
 
     def forward(self, module: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         # Exactly what the model's get_image_features / get_video_features do, minus the split.
-        pixel_values = inputs["pixel_values"].type(module.dtype)
+        dtype: torch.dtype = module.dtype  # type: ignore[assignment]  # transformers' dtype property
+        pixel_values = inputs["pixel_values"].type(dtype)
         return module(pixel_values, grid_thw=inputs["grid_thw"]).pooler_output
 
 
@@ -157,7 +158,8 @@ class Qwen3VLAdapter(_QwenVisionAdapter):
     def forward(self, module: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         import torch
 
-        pixel_values = inputs["pixel_values"].type(module.dtype)
+        dtype: torch.dtype = module.dtype  # type: ignore[assignment]  # transformers' dtype property
+        pixel_values = inputs["pixel_values"].type(dtype)
         out = module(pixel_values, grid_thw=inputs["grid_thw"], return_dict=True)
         return torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
 
