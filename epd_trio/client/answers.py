@@ -92,7 +92,7 @@ class EncoderUnreachable(PeerUnavailable):
 
 
 # gRPC code → the HTTP status it stands for when the error class does not say (first in the table).
-_GRPC_HTTP: Final = {name: status for status, name in reversed(GRPC_STATUS.items())}
+_GRPC_HTTP: Final = {name: status for status, name in reversed(list(GRPC_STATUS.items()))}
 
 
 def grpc_failure(code: str, details: str, error_type: str | None, *, target: str,

@@ -165,7 +165,7 @@ async def resolve_encoder_urls(dns_url: str, timeout: float) -> list[str]:
         if exc.errno in _NO_SUCH_NAME:
             return []
         raise PeerUnavailable(f"{host} could not be resolved: {exc.strerror or exc}") from None
-    addresses = dict.fromkeys(info[4][0] for info in found)
+    addresses = dict.fromkeys(str(info[4][0]) for info in found)
     return [f"{parts.scheme}://{f'[{a}]' if ':' in a else a}:{port}" for a in addresses]
 
 
@@ -185,7 +185,7 @@ async def fetch_encoder_urls(http: httpx.AsyncClient, bootstrap_url: str, timeou
     except trio.TooSlowError:
         raise TransferTimeout(f"registry {base} did not answer within {timeout:g} s") from None
     except httpx.HTTPError as exc:
-        raise PeerUnavailable(f"registry {base} is unreachable: {exc or type(exc).__name__}") from None
+        raise PeerUnavailable(f"registry {base} is unreachable: {str(exc) or type(exc).__name__}") from None
     if response.status_code != 200:
         raise PeerUnavailable(f"registry {base} answered HTTP {response.status_code}")
     return _parse_list(response, base)

@@ -153,13 +153,13 @@ class GrpcChannels:
         future = await self._call(getattr(self._stub(url), method), to_message(body))
         if future.exception() is None:
             return to_answer(future.result(), url)
-        trailers = dict(future.trailing_metadata() or ())
+        error_type = dict(future.trailing_metadata() or ()).get(ERROR_TYPE_KEY)  # a text key: str
         status, error = grpc_failure(future.code().name, future.details() or "",
-                                     trailers.get(ERROR_TYPE_KEY), target=f"{url} {method}",
+                                     error_type if isinstance(error_type, str) else None, target=f"{url} {method}",
                                      req_id=body.get("req_id"))
         return GrpcAnswer(status, body=error)
 
-    async def _call(self, rpc: grpc.UnaryUnaryMultiCallable, message: Any) -> grpc.Future:
+    async def _call(self, rpc: grpc.UnaryUnaryMultiCallable, message: Any) -> grpc._CallFuture[Any]:
         """Start ``rpc`` and wait for it without a thread; cancelling the wait cancels it."""
         await trio.lowlevel.checkpoint_if_cancelled()
         deadline = trio.current_effective_deadline()

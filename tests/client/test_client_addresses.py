@@ -177,7 +177,7 @@ async def test_mooncake_on_loopback_is_refused_for_an_encoder_on_another_host() 
     config = ClientConfig(transfer_backend="mooncake")
     loopback = ReturnAddresses(config, routes, mooncake_host="127.0.0.1")
     assert await loopback.deliver_for(LOCAL) == {"backend": "mooncake"}
-    with pytest.raises(PeerUnavailable, match="set ClientConfig.mooncake_host"):
+    with pytest.raises(PeerUnavailable, match=r"set ClientConfig.mooncake_host"):
         await loopback.deliver_for(REMOTE)
     routed = ReturnAddresses(config, routes, mooncake_host="198.18.0.1")
     assert await routed.deliver_for(REMOTE) == {"backend": "mooncake"}

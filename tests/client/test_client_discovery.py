@@ -10,7 +10,7 @@ import trio
 import trio.testing
 
 from epd_trio.client import open_encoder_client
-from epd_trio.client.discovery import Discovery, resolve_encoder_urls
+from epd_trio.client.discovery import Discovery, fetch_encoder_urls, resolve_encoder_urls
 from epd_trio.config import ClientConfig
 from epd_trio.errors import PeerUnavailable, TransferTimeout
 
@@ -147,3 +147,24 @@ async def test_the_registry_and_a_dns_name_merge_and_fail_apart(
 async def test_resolving_a_name_gives_one_url_per_address() -> None:
     assert await resolve_encoder_urls("http://localhost:8000", 5.0) == ["http://127.0.0.1:8000"]
     assert await resolve_encoder_urls("grpc://[::1]:50051", 5.0) == ["grpc://[::1]:50051"]
+
+
+async def test_an_unreachable_registry_is_named_even_when_its_error_has_no_words() -> None:
+    """A registry that takes the connection and never answers: httpx's ReadTimeout says nothing."""
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+    port = listener.socket.getsockname()[1]
+    held: list[trio.SocketStream] = []
+
+    async def hold() -> None:
+        while True:
+            held.append(await listener.accept())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hold)
+        async with httpx.AsyncClient(timeout=0.2) as http:
+            with pytest.raises(PeerUnavailable, match=r"registry http://127\.0\.0\.1:\d+ is unreachable: ReadTimeout$"):
+                await fetch_encoder_urls(http, f"http://127.0.0.1:{port}", 10)
+        nursery.cancel_scope.cancel()
+    for stream in held:
+        await stream.aclose()
+    await listener.aclose()

@@ -308,7 +308,7 @@ async def test_a_second_message_for_a_part_is_dropped_not_used(make: Callable) -
 async def test_a_full_pool_holds_the_next_request_until_the_first_is_released(
         make: Callable) -> None:
     items = images(4)
-    fakes, client = make(pool_bytes=expected(items, "image").nbytes)
+    _fakes, client = make(pool_bytes=expected(items, "image").nbytes)
     done = trio.Event()
 
     async def second() -> None:
@@ -339,7 +339,7 @@ async def test_a_request_bigger_than_the_pool_is_refused(make: Callable) -> None
 
 async def test_a_message_that_disagrees_with_the_http_answer_is_a_protocol_error(
         make: Callable) -> None:
-    fakes, client = make({E0: Behaviour("bad_meta")})
+    _fakes, client = make({E0: Behaviour("bad_meta")})
     async with client:
         with pytest.raises(ProtocolError, match="does not match"):
             await client.encode({"image": images(2)})
@@ -348,7 +348,7 @@ async def test_a_message_that_disagrees_with_the_http_answer_is_a_protocol_error
 
 @pytest.mark.parametrize("status", [200, 500])
 async def test_an_answer_nested_past_the_parser_is_a_protocol_error(make: Callable, status: int) -> None:
-    fakes, client = make({E0: Behaviour("deep_json", status=status)})
+    _fakes, client = make({E0: Behaviour("deep_json", status=status)})
     async with client:
         with pytest.raises(EPDError) as info:  # not a RecursionError in an ExceptionGroup
             await client.encode({"image": images(2)})
@@ -399,7 +399,7 @@ async def test_items_become_data_uris_and_bad_items_are_refused(make: Callable) 
 
 
 async def test_a_live_req_id_cannot_be_reused(make: Callable) -> None:
-    fakes, client = make({E0: Behaviour("hang")})
+    _fakes, client = make({E0: Behaviour("hang")})
     async with client, trio.open_nursery() as nursery:
         nursery.start_soon(lambda: client.encode({"image": images(1)}, req_id="same", timeout=1))
         await wait_until(lambda: client.statistics().requests_live == 1)

@@ -235,7 +235,7 @@ async def test_config_and_registry_lists_take_grpc_urls() -> None:
 
 
 # ---- Mooncake: an encoder process with --grpc-port ------------------------------------
-class socket_port:
+class socket_port:  # noqa: N801 - used as a function: with socket_port() as port
     """A free loopback port (closed on entry: nobody listens on it)."""
 
     def __enter__(self) -> int:
@@ -256,7 +256,7 @@ def mooncake_encoder(qwen25_path: str) -> Iterator[tuple[str, str]]:
     with socket_port() as port:
         env = {**os.environ, "EPD_LOG_LEVEL": "WARNING", "MC_LOG_LEVEL": "ERROR",
                "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        log = tempfile.TemporaryFile("w+")
+        log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed with its process, below
         proc = subprocess.Popen(
             [sys.executable, "-m", "epd_trio.cli", "encoder", "--port", "0", "--grpc-port",
              str(port), "--transfer-backend", "mooncake", "--model-path", qwen25_path],

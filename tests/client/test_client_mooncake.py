@@ -43,7 +43,7 @@ def encoder_urls(qwen25_path: str) -> Iterator[list[str]]:
     procs: list[tuple[subprocess.Popen[str], Any]] = []
     try:
         for _ in range(3):
-            log = tempfile.TemporaryFile("w+")
+            log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed with its process, below
             procs.append((subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True,
                                            env=env), log))
         urls = []

@@ -276,7 +276,7 @@ async def test_cancelling_a_waiter_in_the_middle_keeps_the_order(
 async def test_a_wait_has_a_deadline(autojump_clock: trio.testing.MockClock) -> None:
     pool = EmbeddingPool(1024)
     holder = await pool.acquire(1024)
-    with pytest.raises(OverloadedError, match="within 2.5 s"):
+    with pytest.raises(OverloadedError, match=r"within 2.5 s"):
         await pool.acquire(1, timeout=2.5)
     assert trio.current_time() == 2.5
     assert pool.statistics().waiters == 0
