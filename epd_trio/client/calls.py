@@ -11,7 +11,6 @@ path has no RPC there, so that a part moves to an encoder that serves it).
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
 from typing import Any
@@ -21,26 +20,14 @@ import msgspec
 
 from epd_trio.client.answers import Answer, EncoderUnreachable
 from epd_trio.client.grpc_channel import GRPC_SCHEME, GrpcChannels
+from epd_trio.client.liveness import tcp_socket_options
 from epd_trio.errors import PayloadTooLargeError
 
-__all__ = ["EncoderCalls", "PEER_LOST_AFTER", "encoder_transport"]
-
-# A connection whose peer stops answering (a host gone, a link cut) is dropped this many
-# seconds after it last heard from it, instead of waiting out the request's timeout: the
-# kernel probes an idle connection (keepalive: a live peer's kernel answers, however long
-# the encode takes), and gives up on data left unacknowledged (TCP_USER_TIMEOUT).
-_KEEPIDLE, _KEEPINTVL, _KEEPCNT = 5, 2, 3
-PEER_LOST_AFTER = _KEEPIDLE + _KEEPINTVL * _KEEPCNT  # seconds
-
+__all__ = ["EncoderCalls", "encoder_transport"]
 
 def encoder_transport() -> httpx.AsyncHTTPTransport:
-    """httpx's transport with dead-peer detection on every connection (``PEER_LOST_AFTER``)."""
-    options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
-    for name, value in (("TCP_KEEPIDLE", _KEEPIDLE), ("TCP_KEEPINTVL", _KEEPINTVL),
-                        ("TCP_KEEPCNT", _KEEPCNT), ("TCP_USER_TIMEOUT", PEER_LOST_AFTER * 1000)):
-        if hasattr(socket, name):  # Linux has them all; elsewhere the kernel's defaults
-            options.append((socket.IPPROTO_TCP, getattr(socket, name), value))
-    return httpx.AsyncHTTPTransport(socket_options=options)
+    """httpx's transport with dead-peer detection on every connection (``liveness``)."""
+    return httpx.AsyncHTTPTransport(socket_options=tcp_socket_options())
 
 # identity: a body is never inflated past what the cap counted
 _JSON = (("content-type", "application/json"), ("accept-encoding", "identity"))

@@ -14,7 +14,8 @@ bodies the HTTP path posts and gives back a ``GrpcAnswer`` that reads like the
 HTTP answer (``answers.Answer``): the inline safetensors bytes as ``content``,
 the metadata as ``json()``, a failure as its HTTP status and error body
 (``answers.grpc_failure``). One channel per encoder URL, opened on first use
-and closed when the client closes.
+and closed when the client closes; its keepalive pings drop an encoder that
+stopped answering as the HTTP path does (``liveness``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import trio
 
 from epd_trio._util import wait_done
 from epd_trio.client.answers import grpc_failure
+from epd_trio.client.liveness import GRPC_CHANNEL_OPTIONS
 from epd_trio.errors import ProtocolError, RequestError
 from epd_trio.protocol.grpc_messages import (
     ERROR_TYPE_KEY,
@@ -44,9 +46,10 @@ from epd_trio.protocol.proto import encoder_pb2 as pb, encoder_pb2_grpc as pb_gr
 __all__ = ["GRPC_SCHEME", "GrpcAnswer", "GrpcChannelStatistics", "GrpcChannels"]
 
 GRPC_SCHEME: Final = "grpc://"
-# The encoder's own limits (its server takes messages up to 256 MiB, as SGLang's does).
+# The encoder's own limits (its server takes messages up to 256 MiB, as SGLang's does), and
+# a silent encoder dropped as an HTTP one is (``liveness``).
 _OPTIONS: Final = (("grpc.max_send_message_length", MESSAGE_LIMIT),
-                   ("grpc.max_receive_message_length", MESSAGE_LIMIT))
+                   ("grpc.max_receive_message_length", MESSAGE_LIMIT), *GRPC_CHANNEL_OPTIONS)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from epd_trio.encoder.grpc_bridge import DecodeGuard, TrioBridge
 from epd_trio.encoder.grpc_health import HealthServicer
 from epd_trio.encoder.service import EncoderService
 from epd_trio.errors import RequestError
-from epd_trio.protocol.grpc_messages import MESSAGE_LIMIT
+from epd_trio.protocol.grpc_messages import KEEPALIVE_PING_INTERVAL_S, MESSAGE_LIMIT
 from epd_trio.protocol.proto import encoder_pb2_grpc
 from epd_trio.protocol.urls import normalize_url
 
@@ -62,7 +62,10 @@ def _options(service: EncoderService) -> list[tuple[str, Any]]:
     receive = max(MESSAGE_LIMIT, service.config.max_body_bytes)
     return [("grpc.max_send_message_length", MESSAGE_LIMIT),
             ("grpc.max_receive_message_length", receive),
-            ("grpc.so_reuseport", 0)]  # a busy port is an error, as for HTTP
+            ("grpc.so_reuseport", 0),  # a busy port is an error, as for HTTP
+            # A client's keepalive pings during a long encode are welcome, not abuse.
+            ("grpc.http2.min_ping_interval_without_data_ms",
+             (KEEPALIVE_PING_INTERVAL_S - 1) * 1000)]
 
 
 def _add_services(server: grpc.aio.Server, service: EncoderService, bridge: TrioBridge,

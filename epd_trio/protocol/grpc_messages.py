@@ -18,6 +18,7 @@ from epd_trio.protocol.sglang_requests import sglang_validation_error
 
 __all__ = [
     "ERROR_TYPE_KEY",
+    "KEEPALIVE_PING_INTERVAL_S",
     "MESSAGE_LIMIT",
     "encode_body",
     "encode_message",
@@ -31,6 +32,9 @@ __all__ = [
 ERROR_TYPE_KEY: Final = "epd-error-type"
 # Largest gRPC message either end sends (SGLang's gRPC encoder's, both directions).
 MESSAGE_LIMIT: Final = 256 << 20
+# A client's keepalive pings come no more often than this, during a call (the server
+# accepts pings this often; grpc's default, 5 minutes, would close the connection).
+KEEPALIVE_PING_INTERVAL_S: Final = 5
 _MODALITY_PREFIXES: Final = {"image/": "image", "video/": "video", "audio/": "audio"}
 
 

@@ -288,13 +288,17 @@ def test_a_rolling_update_loses_no_request(cluster: Cluster) -> None:
         cluster.agent.call("close", name=name)
 
 
-def test_a_link_cut_mid_request_fails_fast(cluster: Cluster) -> None:
-    """e2's cable is pulled while requests run: none waits out its timeout (60 s)."""
-    urls = [cluster.http("e1"), cluster.http("e2")]
-    cluster.open_client("cut", encoder_urls=urls)
-    assert cluster.encode("cut", timeout=30)["ok"]
-    flag = cluster.logs / "cut.stop"
-    load = cluster.agent.send("load", name="cut", images=cluster.images, concurrency=2,
+@pytest.mark.parametrize("scheme", ["http", "grpc"])
+def test_a_link_cut_mid_request_fails_fast(cluster: Cluster, scheme: str) -> None:
+    """e2's cable is pulled while requests run: none waits out its timeout (60 s). Over HTTP
+    TCP keepalive notices, over gRPC the channel's keepalive pings."""
+    urls = ([cluster.http("e1"), cluster.http("e2")] if scheme == "http" else
+            [f"grpc://{cluster.net[label].address}:50051" for label in ("e1", "e2")])
+    name = f"cut-{scheme}"
+    cluster.open_client(name, encoder_urls=urls)
+    assert cluster.encode(name, timeout=30)["ok"]
+    flag = cluster.logs / f"{name}.stop"
+    load = cluster.agent.send("load", name=name, images=cluster.images, concurrency=2,
                               until=str(flag), pause=0.0, timeout=200)
     try:
         time.sleep(1.0)  # requests in flight on both encoders
@@ -308,7 +312,7 @@ def test_a_link_cut_mid_request_fails_fast(cluster: Cluster) -> None:
     assert not any("EncodeTimeout" in f for f in result["failures"]), result
     assert len(result["done"]) > len(result["failures"])  # e1 kept serving
     cluster.net["e2"].restore()
-    cluster.agent.call("close", name="cut")
+    cluster.agent.call("close", name=name)
 
 
 def test_an_encoder_host_killed_is_evicted_and_parts_move(cluster: Cluster) -> None:

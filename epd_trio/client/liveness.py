@@ -1,0 +1,50 @@
+"""How soon the client gives up on an encoder that stopped answering.
+
+A host that dies or loses its link sends nothing: no reset, no FIN. Without
+probes a call to it waits out the request's whole timeout. Both of the client's
+transports probe a connection that has gone quiet and drop it ``PEER_LOST_AFTER``
+seconds after the encoder was last heard from, however long an encode takes (a
+live peer answers a probe while it works):
+
+- HTTP: TCP keepalive on every socket, and TCP_USER_TIMEOUT for data the peer
+  never acknowledges (``tcp_socket_options``);
+- gRPC: HTTP/2 keepalive pings while a call is in flight (``GRPC_CHANNEL_OPTIONS``),
+  as often as the encoder's gRPC server accepts them (``KEEPALIVE_PING_INTERVAL_S``).
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Final
+
+from epd_trio.protocol.grpc_messages import KEEPALIVE_PING_INTERVAL_S
+
+__all__ = ["GRPC_CHANNEL_OPTIONS", "PEER_LOST_AFTER", "tcp_socket_options"]
+
+_KEEPIDLE, _KEEPINTVL, _KEEPCNT = KEEPALIVE_PING_INTERVAL_S, 2, 3  # seconds, seconds, probes
+PEER_LOST_AFTER: Final = _KEEPIDLE + _KEEPINTVL * _KEEPCNT  # seconds
+
+# A ping after 5 s of quiet, the connection dropped if it is not answered in the 6 s after:
+# the same 11 s as TCP. grpc (1.85) enforces an unanswered ping by its ping timeout (one
+# minute by default), not by the keepalive timeout, so both are set. Pings only while a call
+# runs (an idle channel is left alone), without a cap on pings between data frames (grpc's
+# default stops after two).
+_PING_ANSWERED_WITHIN_MS: Final = (PEER_LOST_AFTER - _KEEPIDLE) * 1000
+GRPC_CHANNEL_OPTIONS: Final = (
+    ("grpc.keepalive_time_ms", _KEEPIDLE * 1000),
+    ("grpc.keepalive_timeout_ms", _PING_ANSWERED_WITHIN_MS),
+    ("grpc.http2.ping_timeout_ms", _PING_ANSWERED_WITHIN_MS),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+
+
+def tcp_socket_options() -> list[tuple[int, int, int]]:
+    """Socket options for dead-peer detection within ``PEER_LOST_AFTER`` (Linux has them
+    all; elsewhere keepalive with the kernel's timings)."""
+    options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+    for name, value in (("TCP_KEEPIDLE", _KEEPIDLE), ("TCP_KEEPINTVL", _KEEPINTVL),
+                        ("TCP_KEEPCNT", _KEEPCNT), ("TCP_USER_TIMEOUT", PEER_LOST_AFTER * 1000)):
+        if hasattr(socket, name):
+            options.append((socket.IPPROTO_TCP, getattr(socket, name), value))
+    return options
