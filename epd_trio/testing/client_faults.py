@@ -6,11 +6,12 @@ class's own methods, so the client has no fault branch and removing a plan
 
 - ``client_dispatch`` — before ``client.router.post`` (a part's ``/encode``);
   a cancellation fails the request with ``AbortedError``.
-- ``client_gather`` — before ``client._assemble`` (received parts into a slot;
-  ZMQ and inline only); likewise.
-- ``demux`` — before ``client.demux.hand_off`` (a received message to its part):
-  a delay holds the socket, an error loses the message (counted as dropped, as
-  a network would lose one); the demultiplexer itself never dies of it.
+- ``client_gather`` — before ``client.receiver.gather`` (the taken parts into
+  one slot, whatever the transfer backend); likewise.
+- ``demux`` — before ``client.receiver.demux.hand_off`` (a pushed message to its
+  part; only a receiver with a demultiplexer has it): a delay holds the socket,
+  an error loses the message (counted as dropped, as a network would lose one);
+  the demultiplexer itself never dies of it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,14 @@ if TYPE_CHECKING:
 
 __all__ = ["install"]
 
-_SEAMS = (("router", "post"), (None, "_assemble"), ("demux", "hand_off"))
+_SEAMS = (("router", "post"), ("receiver", "gather"), ("receiver.demux", "hand_off"))
+
+
+def _holder(owner: Any, path: str) -> Any:
+    """``owner.router``, ``owner.receiver.demux``...; None where the receiver has no such part."""
+    for name in path.split("."):
+        owner = getattr(owner, name, None)
+    return owner
 
 
 def install(plan: FaultPlan | None, owner: Any) -> bool:
@@ -36,12 +44,17 @@ def install(plan: FaultPlan | None, owner: Any) -> bool:
 
     if not isinstance(owner, EncoderClient):
         return False
-    for holder, name in _SEAMS:
-        vars(owner if holder is None else getattr(owner, holder)).pop(name, None)
+    for path, name in _SEAMS:
+        holder = _holder(owner, path)
+        if holder is not None:
+            vars(holder).pop(name, None)
     if plan is not None:
+        receiver = owner.receiver
         owner.router.post = _dispatch(plan, owner.router.post)  # type: ignore[method-assign]
-        owner._assemble = _gather(plan, owner._assemble)  # type: ignore[method-assign]
-        owner.demux.hand_off = _demux(plan, owner.demux)  # type: ignore[method-assign]
+        receiver.gather = _gather(plan, receiver.gather)  # type: ignore[method-assign]
+        demux = _holder(owner, "receiver.demux")
+        if demux is not None:
+            demux.hand_off = _demux(plan, demux)
     return True
 
 
@@ -58,12 +71,12 @@ def _dispatch(plan: FaultPlan, post: Callable[..., Awaitable[Any]]
     return post_with_faults
 
 
-def _gather(plan: FaultPlan, assemble: Callable[[LiveRequest], Awaitable[Any]]
-            ) -> Callable[[LiveRequest], Awaitable[Any]]:
-    async def assemble_with_faults(req: LiveRequest) -> Any:
+def _gather(plan: FaultPlan, gather: Callable[..., Awaitable[Any]]
+            ) -> Callable[..., Awaitable[Any]]:
+    async def gather_with_faults(req: LiveRequest, *args: Any) -> Any:
         await plan.inject("client_gather", cancel=_failer(req))
-        return await assemble(req)
-    return assemble_with_faults
+        return await gather(req, *args)
+    return gather_with_faults
 
 
 def _demux(plan: FaultPlan, demux: Demultiplexer) -> Callable[..., Awaitable[None]]:
