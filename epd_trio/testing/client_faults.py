@@ -16,13 +16,15 @@ class's own methods, so the client has no fault branch and removing a plan
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from epd_trio.errors import AbortedError, EPDError
 
 if TYPE_CHECKING:
+    from epd_trio.client.calls import EncoderCalls
     from epd_trio.client.demux import Demultiplexer
+    from epd_trio.client.result import EncodedRequest
     from epd_trio.client.state import LiveRequest
     from epd_trio.testing import FaultPlan
 
@@ -51,7 +53,7 @@ def install(plan: FaultPlan | None, owner: Any) -> bool:
     if plan is not None:
         receiver = owner.receiver
         owner.router.post = _dispatch(plan, owner.router.post)  # type: ignore[method-assign]
-        receiver.gather = _gather(plan, receiver.gather)  # type: ignore[method-assign]
+        receiver.gather = _gather(plan, receiver.gather)  # type: ignore[method-assign,assignment]
         demux = _holder(owner, "receiver.demux")
         if demux is not None:
             demux.hand_off = _demux(plan, demux)
@@ -71,11 +73,14 @@ def _dispatch(plan: FaultPlan, post: Callable[..., Awaitable[Any]]
     return post_with_faults
 
 
-def _gather(plan: FaultPlan, gather: Callable[..., Awaitable[Any]]
-            ) -> Callable[..., Awaitable[Any]]:
-    async def gather_with_faults(req: LiveRequest, *args: Any) -> Any:
+_Gather = Callable[["LiveRequest", "EncoderCalls"], Awaitable["EncodedRequest"]]
+
+
+def _gather(plan: FaultPlan, gather: _Gather
+            ) -> Callable[[LiveRequest, EncoderCalls], Coroutine[Any, Any, EncodedRequest]]:
+    async def gather_with_faults(req: LiveRequest, calls: EncoderCalls) -> EncodedRequest:
         await plan.inject("client_gather", cancel=_failer(req))
-        return await gather(req, *args)
+        return await gather(req, calls)
     return gather_with_faults
 
 

@@ -57,6 +57,7 @@ Settle = Callable[[PartState], None]
 class ReceiverStatistics:
     """What a receiver adds to ``ClientStatistics`` (zero where its backend has no such thing)."""
 
+    parts_live: int = 0  # parts a delivery may still reach (registered, not yet unregistered)
     messages_received: int = 0  # pushed messages read from the socket
     messages_dropped: int = 0  # for no live part (late, duplicate, unknown) or a failed request
     malformed_messages: int = 0  # dropped by the socket's reader

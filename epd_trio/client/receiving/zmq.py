@@ -69,7 +69,7 @@ class ZmqReceiver(CopyingReceiver):
 
     def statistics(self) -> ReceiverStatistics:
         s = self.demux.statistics()
-        return ReceiverStatistics(messages_received=s.messages_received,
+        return ReceiverStatistics(parts_live=s.parts_live, messages_received=s.messages_received,
                                   messages_dropped=s.messages_dropped,
                                   malformed_messages=s.malformed_messages)
 
