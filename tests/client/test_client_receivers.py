@@ -26,7 +26,7 @@ import httpx
 import pytest
 import torch
 import trio
-from conftest import png_bytes
+from conftest import docstring_ids, png_bytes
 
 import epd_trio
 from epd_trio.client import EncoderClient, RemoteEncodeError, open_encoder_client
@@ -217,22 +217,11 @@ RECEIVING = CLIENT / "receiving"
 BACKEND_NAMES = frozenset({*CLIENT_BACKENDS, *RECEIVERS})
 
 
-def _docstrings(tree: ast.AST) -> set[int]:
-    """The ids of the module's, classes' and functions' docstring nodes (prose, not code)."""
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) \
-                and node.body and isinstance(node.body[0], ast.Expr) \
-                and isinstance(node.body[0].value, ast.Constant):
-            found.add(id(node.body[0].value))
-    return found
-
-
 def backend_leaks(source: str) -> list[str]:
     """Each place that names a transfer backend (a string literal outside docstrings) or
     reads the setting that picks one (``.transfer_backend``), as ``line: what``."""
     tree = ast.parse(source)
-    prose = _docstrings(tree)
+    prose = docstring_ids(tree)
     found = [f"{n.lineno}: {n.value!r}" for n in ast.walk(tree)
              if isinstance(n, ast.Constant) and n.value in BACKEND_NAMES and id(n) not in prose]
     found += [f"{n.lineno}: .transfer_backend" for n in ast.walk(tree)

@@ -81,11 +81,9 @@ class Receiver(ABC):
 
     # ---- resources ----------------------------------------------------------------
     async def __aenter__(self) -> Self:
-        try:
-            await self._open(self._stack)
-        except BaseException:
-            await self._stack.aclose()
-            raise
+        async with AsyncExitStack() as stack:  # a failed open releases what it had acquired
+            await self._open(stack)
+            self._stack = stack.pop_all()
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None,
