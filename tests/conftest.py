@@ -164,6 +164,20 @@ def assert_corrupt_jpegs_handled(result: dict[str, Any], device: str) -> None:
     assert any(o[0] == "refused" for o in result["seen"].values())  # the corpus is not all harmless
 
 
+def docstring_ids(tree: Any) -> set[int]:
+    """The ids of an ``ast`` tree's module, class and function docstring nodes (prose, not
+    code): the guards that look for backend names in code skip them."""
+    import ast
+
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) \
+                and node.body and isinstance(node.body[0], ast.Expr) \
+                and isinstance(node.body[0].value, ast.Constant):
+            found.add(id(node.body[0].value))
+    return found
+
+
 def data_uri(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
 

@@ -1,7 +1,8 @@
 """Where encoders deliver to: an address of this client that each of them can reach.
 
 A client tells every encoder where its embeddings go (a ZMQ endpoint in the
-``/encode`` body, a Mooncake session in ``/send``). Loopback told to an encoder on
+``/encode`` body, a Mooncake session in ``/send``); the receivers that tell them
+(``receiving``) ask this module which address. Loopback told to an encoder on
 another host sends the bytes to that host's own loopback, where nothing waits:
 the request would wait out its whole timeout. So the address is chosen per
 encoder, from the route to it (``epd_trio._routes``), and a setting that cannot
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from epd_trio._routes import (
     IPAddress,
@@ -47,8 +47,9 @@ from epd_trio.transport.zmq import PullReceiver, validate_endpoint
 
 __all__ = [
     "AddressStatistics",
-    "ReturnAddresses",
+    "PullEndpoints",
     "advertised_endpoint",
+    "check_session",
     "choose_mooncake_host",
     "endpoint_host",
 ]
@@ -101,27 +102,37 @@ async def choose_mooncake_host(config: ClientConfig, routes: Routes) -> str:
 
 @dataclass(frozen=True)
 class AddressStatistics:
-    backend: str
-    endpoints: tuple[str, ...]  # where the PULL socket listens (ZMQ)
+    endpoints: tuple[str, ...]  # where the PULL socket listens
     told: str  # the one endpoint every encoder is told, or "" when each is told its own
-    mooncake_host: str | None  # the transfer engine's name (Mooncake)
     route_lookups: int  # routes found afresh (cached ones not counted)
 
 
-class ReturnAddresses:
-    """Per encoder, the ``deliver`` object its ``/encode`` carries (checked and, for ZMQ,
+async def check_session(routes: Routes, host: str, encoder_url: str) -> None:
+    """Refuse (``PeerUnavailable``) a transfer engine named ``host`` on loopback for an
+    encoder on another host; a host whose route cannot be found is trusted."""
+    if not is_loopback_host(host):
+        return
+    try:
+        route = await routes.to(url_host(encoder_url))
+    except PeerUnavailable:
+        return  # the connection to the encoder will tell
+    if not route.local:
+        _refuse_loopback(f"the Mooncake session {host}", route, encoder_url,
+                         "ClientConfig.mooncake_host")
+
+
+class PullEndpoints:
+    """Per encoder, the endpoint of the client's PULL socket it is told (checked and
     bound on first need)."""
 
-    def __init__(self, config: ClientConfig, routes: Routes, *, pull: PullReceiver | None = None,
-                 mooncake_host: str | None = None) -> None:
+    def __init__(self, config: ClientConfig, routes: Routes, pull: PullReceiver) -> None:
         self._config = config
         self._routes = routes
         self._pull = pull
-        self._mooncake_host = mooncake_host
         self._fixed: str | None = None  # one endpoint for every encoder
         self._port: str | None = None  # a wildcard bind's port, told with each route's source
         self._bound: dict[IPAddress, str] = {}  # automatic binds: source address → endpoint
-        if pull is not None and config.zmq_bind is not None:
+        if config.zmq_bind is not None:
             bound = pull.bind(config.zmq_bind)
             host = endpoint_host(bound)
             if config.zmq_advertise or host is None or not is_wildcard(host):
@@ -137,21 +148,26 @@ class ReturnAddresses:
     @property
     def endpoints(self) -> tuple[str, ...]:
         """Every endpoint the PULL socket listens on."""
-        return tuple(self._pull.endpoints) if self._pull is not None else ()
+        return tuple(self._pull.endpoints)
 
-    async def deliver_for(self, encoder_url: str) -> dict[str, Any]:
-        """The ``deliver`` object for a part going to ``encoder_url``.
+    async def endpoint_for(self, encoder_url: str) -> str:
+        """The endpoint a part going to ``encoder_url`` is told.
 
         Raises ``EncoderUnreachable`` (the part may move) when the encoder's host does not
         resolve or has no route, ``PeerUnavailable`` when the configured address cannot
         reach it.
         """
-        backend = self._config.transfer_backend
-        if backend == "zmq":
-            return {"backend": "zmq", "endpoint": await self._zmq_endpoint(encoder_url)}
-        if backend == "mooncake":
-            await self._check_mooncake(encoder_url)
-        return {"backend": backend}
+        if self._fixed is not None:
+            if is_loopback_host(endpoint_host(self._fixed)):
+                route = await self._route_if_known(encoder_url)
+                if route is not None and not route.local:
+                    setting = "zmq_advertise" if self._config.zmq_advertise else "zmq_bind"
+                    _refuse_loopback(self._fixed, route, encoder_url, f"ClientConfig.{setting}")
+            return self._fixed
+        route = await self._route(encoder_url)
+        if self._port is not None:
+            return f"tcp://{route.source_host}:{self._port}"
+        return self._bind_for(route)
 
     async def _route(self, encoder_url: str) -> Route:
         try:
@@ -167,42 +183,18 @@ class ReturnAddresses:
         except PeerUnavailable:
             return None
 
-    async def _zmq_endpoint(self, encoder_url: str) -> str:
-        if self._fixed is not None:
-            if is_loopback_host(endpoint_host(self._fixed)):
-                route = await self._route_if_known(encoder_url)
-                if route is not None and not route.local:
-                    setting = "zmq_advertise" if self._config.zmq_advertise else "zmq_bind"
-                    _refuse_loopback(self._fixed, route, encoder_url, f"ClientConfig.{setting}")
-            return self._fixed
-        route = await self._route(encoder_url)
-        if self._port is not None:
-            return f"tcp://{route.source_host}:{self._port}"
-        return self._bind_for(route)
-
     def _bind_for(self, route: Route) -> str:
         """The endpoint bound on ``route.source``, bound now if it is the first."""
         endpoint = self._bound.get(route.source)
         if endpoint is None:
-            assert self._pull is not None
             endpoint = self._bound[route.source] = self._pull.bind(f"tcp://{route.source_host}:0")
             log.info("receiving ZMQ deliveries on %s (the route to %s)", endpoint, route.host)
         return endpoint
 
-    async def _check_mooncake(self, encoder_url: str) -> None:
-        assert self._mooncake_host is not None
-        if not is_loopback_host(self._mooncake_host):
-            return
-        route = await self._route_if_known(encoder_url)
-        if route is not None and not route.local:
-            _refuse_loopback(f"the Mooncake session {self._mooncake_host}", route, encoder_url,
-                             "ClientConfig.mooncake_host")
-
     def statistics(self) -> AddressStatistics:
-        return AddressStatistics(self._config.transfer_backend, self.endpoints, self.endpoint,
-                                 self._mooncake_host, self._routes.lookups)
+        return AddressStatistics(self.endpoints, self.endpoint, self._routes.lookups)
 
     def __repr__(self) -> str:
         told = self._fixed or (f"each route's source, port {self._port}" if self._port else
                                f"{len(self._bound)} automatic binds")
-        return f"<ReturnAddresses {self._config.transfer_backend}: {told}>"
+        return f"<PullEndpoints {told}>"

@@ -1,80 +1,61 @@
 """``EncoderClient``: split a request over encoders, gather the parts, stitch them.
 
 A thin owner of the client's resources (one HTTP client, one gRPC channel per
-``grpc://`` encoder, the ``EmbeddingPool``, a PULL socket or a Mooncake engine,
-one nursery) composing three parts, each
-with its own ``statistics()``: the ``Router`` (``router``: placement, failover,
-outstanding counts, ``/abort``), the ``Demultiplexer`` (``demux``: ZMQ messages
-to the parts waiting for them) and the ``Discovery`` task (``discovery``: the
-registry's list, with ``bootstrap_url``, and a DNS name's, with ``discovery_dns``).
-What each encoder is told to deliver to comes from ``addresses`` (``ReturnAddresses``:
-an address of this host it can reach).
+``grpc://`` encoder, the ``EmbeddingPool``, its receiver, one nursery)
+composing three parts, each with its own ``statistics()``: the ``Router``
+(``router``: placement, failover, outstanding counts, ``/abort``), the
+``Receiver`` (``receiver``: how parts come back, one per ``transfer_backend``,
+see ``receiving``) and the ``Discovery`` task (``discovery``: the registry's
+list, with ``bootstrap_url``, and a DNS name's, with ``discovery_dns``).
 
 A request is one ``req_id`` and several parts (see ``routing``). Its parts run
-as sibling tasks under one cancel scope; the first failure (an encoder's HTTP
-error, a ZMQ ``error`` message, an unreachable encoder) is recorded and
-cancels the rest. Whatever ends a request early — failure, deadline, the
-caller's cancellation, the client closing — the parts an encoder may still be
-working on are aborted there (best effort, shielded, short deadline), and the
-request leaves nothing behind: ``statistics()`` proves it.
+as sibling tasks under one cancel scope; each posts its ``/encode`` with the
+``deliver`` its receiver chooses for that encoder and hands the answer to the
+receiver (``take``); once all are taken, the receiver gathers them into one
+pool slot (``gather``). The first failure (an encoder's HTTP error, an error
+message, an unreachable encoder) is recorded and cancels the rest. Whatever
+ends a request early — failure, deadline, the caller's cancellation, the
+client closing — the parts an encoder may still be working on are aborted
+there (best effort, shielded, short deadline), and only then does the receiver
+release the request's slot (``release_failed``: an encoder writing in place
+may still be writing until it hears of the failure); the request leaves
+nothing behind: ``statistics()`` proves it.
 
 ``encode_for_vllm`` runs a request the same way (plan, routing, deadline,
 clean-up) over encoder instances of vLLM's EPD instead: each part is an OpenAI
 chat request that the encoder answers once it has stored the items for the
-language server (``vllm_parts``); nothing comes back to the client's pool.
-
-With ``transfer_backend="mooncake"`` there is no PULL socket: parts are written
-straight into the request's slot (``inplace``). A request owns its slot until
-its result does; on failure the slot is released only after the parts'
-``/abort`` calls, since an encoder may still be writing into it until it hears
-of the failure.
+language server (``vllm_parts``); nothing comes back to the client's pool, so
+the receiver takes no part in it.
 
 Fault plans (``epd_trio.testing``) wrap three seams and nothing here checks for
-one: ``router.post`` (``client_dispatch``), ``_assemble`` (``client_gather``)
-and ``demux.hand_off`` (``demux``).
+one: ``router.post`` (``client_dispatch``), ``receiver.gather``
+(``client_gather``) and, where the receiver has one, ``receiver.demux.hand_off``
+(``demux``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from types import TracebackType
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Self, TypeVar
 
 import httpx
 import trio
 
-from epd_trio._routes import Routes
-from epd_trio.client.addresses import ReturnAddresses, advertised_endpoint, choose_mooncake_host
-from epd_trio.client.answers import (
-    Answer,
-    check_message,
-    check_sized_meta,
-    http_error,
-    inline_message,
-    parse_meta,
-    parse_sized_meta,
-)
+from epd_trio.client.addresses import advertised_endpoint
+from epd_trio.client.answers import Answer, http_error
 from epd_trio.client.calls import EncoderCalls, encoder_transport
-from epd_trio.client.demux import Demultiplexer
 from epd_trio.client.discovery import Discovery, merge_urls
 from epd_trio.client.grpc_channel import GrpcChannels
-from epd_trio.client.inplace import open_registered_engine, write_parts
 from epd_trio.client.items import is_heavy, to_wire_items
 from epd_trio.client.metrics import ClientMetrics
-from epd_trio.client.pool import EmbeddingPool, Slot
-from epd_trio.client.result import (
-    EncodedRequest,
-    PartReport,
-    ReceivedPart,
-    copy_parts,
-    plan_layout,
-    slot_views,
-)
+from epd_trio.client.pool import EmbeddingPool
+from epd_trio.client.receiving import Receiver, build_receiver
+from epd_trio.client.result import EncodedRequest
 from epd_trio.client.router import Router
 from epd_trio.client.state import ClientStatistics, LiveRequest, PartState
 from epd_trio.client.vllm_parts import (
@@ -97,8 +78,6 @@ from epd_trio.errors import (
     RequestError,
 )
 from epd_trio.protocol.messages import validate_req_id
-from epd_trio.transport.mooncake import MooncakeTransport
-from epd_trio.transport.zmq import PullReceiver
 
 __all__ = [
     "ClientStatistics",
@@ -107,22 +86,19 @@ __all__ = [
     "open_encoder_client",
 ]
 
-log = logging.getLogger(__name__)
-
 _T = TypeVar("_T")
 
 # An HTTP answer may exceed the pool by its header and metadata, no more.
 _ANSWER_SLACK: Final = 1 << 20
-# Copying this much (~2 ms at memcpy speed) is worth a thread hop off the trio loop.
-_COPY_IN_THREAD_BYTES: Final = 16 << 20
 
 
 class EncoderClient:
     """The receiver side of EPD; build with ``open_encoder_client``, use in ``async with``.
 
     It composes a ``Router`` (placement, failover, outstanding counts, aborts),
-    a ``Demultiplexer`` (the PULL socket and the table of live parts) and, with
-    ``bootstrap_url`` or ``discovery_dns``, a ``Discovery`` task; what remains here is a request's
+    a ``Receiver`` (how parts come back: ``config.transfer_backend`` picks it
+    from ``receiving.RECEIVERS``) and, with ``bootstrap_url`` or
+    ``discovery_dns``, a ``Discovery`` task; what remains here is a request's
     own course: register, run the parts, gather, clean up.
     """
 
@@ -130,16 +106,13 @@ class EncoderClient:
                  http_transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.config = config
         self.router = Router(merge_urls(config.encoder_urls))
-        self.demux = Demultiplexer()
         self.discovery = Discovery(
             config.encoder_urls, config.bootstrap_url, interval=config.refresh_interval,
             timeout=config.registry_timeout, on_list=self.router.set_encoders,
             dns=config.discovery_dns,
         ) if config.bootstrap_url or config.discovery_dns else None
         self.pool = EmbeddingPool(config.pool_bytes)
-        self.routes = Routes(timeout=config.connect_timeout)  # to encoders: whom to tell what
-        self.addresses: ReturnAddresses | None = None  # what each encoder is told; set once open
-        self.mooncake: MooncakeTransport | None = None  # set once open (mooncake only)
+        self.receiver: Receiver = build_receiver(config, self.pool, self.router.settle)
         self._transport = http_transport
         self._http: httpx.AsyncClient | None = None
         self._calls: EncoderCalls | None = None
@@ -150,8 +123,6 @@ class EncoderClient:
         self._requests: dict[str, LiveRequest] = {}
         self._done = 0
         self._failed = 0
-        self._slots_held = 0  # Mooncake slots held after an unconfirmed /abort (see abort_hold)
-        self._nursery: trio.Nursery | None = None
         self.metrics = ClientMetrics(self.statistics)
 
     @property
@@ -161,9 +132,9 @@ class EncoderClient:
 
     @property
     def endpoint(self) -> str:
-        """The one ZMQ endpoint every encoder is told, when ``zmq_bind`` names one that is no
-        wildcard (or ``zmq_advertise`` is set); "" otherwise (see ``addresses``)."""
-        return self.addresses.endpoint if self.addresses is not None else ""
+        """The one address every encoder is told to deliver to, when the configuration names
+        one (``zmq_bind`` that is no wildcard, or ``zmq_advertise``); "" otherwise."""
+        return self.receiver.endpoint
 
     @property
     def metrics_registry(self) -> Any:
@@ -171,29 +142,18 @@ class EncoderClient:
         return self.metrics.registry
 
     # ---- lifecycle ----------------------------------------------------------
-    async def __aenter__(self) -> EncoderClient:
+    async def __aenter__(self) -> Self:
         if self._closed or self._http is not None:
             raise RuntimeError("an EncoderClient can be opened once")
-        pull: PullReceiver | None = None
         try:
-            if self.config.transfer_backend == "mooncake":
-                host = await choose_mooncake_host(self.config, self.routes)
-                self.mooncake = await open_registered_engine(self._stack, self.config, self.pool, host)
-                self.addresses = ReturnAddresses(self.config, self.routes, mooncake_host=host)
-            elif self.config.transfer_backend == "zmq":
-                pull = await self._stack.enter_async_context(PullReceiver(None))
-                self.addresses = ReturnAddresses(self.config, self.routes, pull=pull)
-            else:
-                self.addresses = ReturnAddresses(self.config, self.routes)
+            await self._stack.enter_async_context(self.receiver)
             timeout = httpx.Timeout(None, connect=self.config.connect_timeout)  # deadlines are ours
             self._http = http = await self._stack.enter_async_context(
                 httpx.AsyncClient(timeout=timeout, transport=self._transport or encoder_transport()))
             # A part's answer holds at most its embedding (inline), which must fit the pool.
             self._calls = EncoderCalls(http, await self._stack.enter_async_context(self.grpc),
                                        max_answer_bytes=self.config.pool_bytes + _ANSWER_SLACK)
-            self._nursery = nursery = await self._stack.enter_async_context(trio.open_nursery())
-            if pull is not None:
-                nursery.start_soon(self.demux.run, pull)
+            nursery = await self._stack.enter_async_context(trio.open_nursery())
             if self.discovery is not None:
                 await nursery.start(self.discovery.run, http)  # the first list before any request
             self._stack.callback(nursery.cancel_scope.cancel)  # runs before the nursery exits
@@ -293,42 +253,26 @@ class EncoderClient:
             finally:
                 # Only now: an encoder may write into the slot until it hears of the abort.
                 if req.slot is not None:
-                    self._release_after_abort(req, req.slot, confirmed)
+                    self.receiver.release_failed(req, req.slot, confirmed)
             raise
         finally:
             self._unregister(req)
 
-    def _release_after_abort(self, req: LiveRequest, slot: Slot, confirmed: bool) -> None:
-        """Free a failed request's slot, unless a Mooncake encoder that did not confirm its
-        abort may still write into it: then hold it for ``abort_hold`` seconds first (the
-        pool never hands out memory a late write could land in)."""
-        if confirmed or self.mooncake is None or self._nursery is None:
-            slot.release()
-            return
-        self._slots_held += 1
-        log.warning("request %s: an encoder did not confirm its /abort; its pool slot is held "
-                    "%g s in case a Mooncake write still lands there", req.req_id, self.config.abort_hold)
-        self._nursery.start_soon(self._hold_then_release, slot)
-
-    async def _hold_then_release(self, slot: Slot) -> None:
-        try:
-            await trio.sleep(self.config.abort_hold)
-        finally:  # the client closing ends the hold: its registered memory goes with it
-            slot.release()
-
     def statistics(self) -> ClientStatistics:
-        routed, demux = self.router.statistics(), self.demux.statistics()
+        routed, received = self.router.statistics(), self.receiver.statistics()
         return ClientStatistics(
             encoders=routed.encoders, outstanding=routed.outstanding,
-            requests_live=len(self._requests), parts_live=demux.parts_live,
+            requests_live=len(self._requests),
+            parts_live=sum(len(req.parts) for req in self._requests.values()),
             requests_done=self._done, requests_failed=self._failed, retries=routed.retries,
-            messages_received=demux.messages_received, messages_dropped=demux.messages_dropped,
-            malformed_messages=demux.malformed_messages, aborts_sent=routed.aborts_sent,
+            messages_received=received.messages_received,
+            messages_dropped=received.messages_dropped,
+            malformed_messages=received.malformed_messages, aborts_sent=routed.aborts_sent,
             aborts_failed=routed.aborts_failed,
             refresh_failures=self._refresh_failures(),
-            slots_held_after_abort=self._slots_held,
+            slots_held_after_abort=received.slots_held_after_abort,
             pool=self.pool.statistics(),
-            mooncake=self.mooncake.statistics() if self.mooncake is not None else None,
+            mooncake=received.transfer_engine,
         )
 
     def _refresh_failures(self) -> int:
@@ -347,7 +291,7 @@ class EncoderClient:
 
     # ---- one request --------------------------------------------------------
     def _register(self, req_id: str | None, wire: dict[str, list[Any]]) -> LiveRequest:
-        """Plan the parts and make them findable by the demultiplexer (synchronously)."""
+        """Plan the parts and make them findable by what delivers them (synchronously)."""
         self._still_open()  # the client may have closed while the items were converted
         if not self.router.encoders:
             raise PeerUnavailable("no encoder is available (no static URL, none healthy in the registry)")
@@ -361,13 +305,13 @@ class EncoderClient:
         plan = self.router.plan({m: len(v) for m, v in wire.items()})
         req = LiveRequest(req_id, wire, [PartState(p, p.encoder_url) for p in plan])
         self._requests[req_id] = req
-        self.demux.register(req)
+        self.receiver.register(req)
         return req
 
     def _unregister(self, req: LiveRequest) -> None:
         for state in req.parts:
             self.router.settle(state)
-        self.demux.unregister(req)
+        self.receiver.unregister(req)
         del self._requests[req.req_id]
         if not self._requests and self._drained is not None:
             self._drained.set()
@@ -379,9 +323,7 @@ class EncoderClient:
                 for state in req.parts:
                     nursery.start_soon(self._run_part, req, state)
             if req.failure is None:
-                if self.mooncake is None:
-                    return await self._assemble(req)
-                return await self._receive_in_place(req, self.mooncake.session)
+                return await self.receiver.gather(req, self._still_open())
         assert req.failure is not None  # only fail() cancels req.scope
         raise req.failure
 
@@ -394,7 +336,7 @@ class EncoderClient:
                     nursery.start_soon(self._store_part, req, state, options, stored)
             if req.failure is None:
                 params = merge_transfer_params([stored[i] for i in sorted(stored)])
-                return StoredRequest(req.req_id, params, self._reports(req))
+                return StoredRequest(req.req_id, params, req.reports())
         assert req.failure is not None  # only fail() cancels req.scope
         raise req.failure
 
@@ -417,65 +359,14 @@ class EncoderClient:
             state.answered = True  # answered, or its call ended (the encoder's abort): nothing to /abort
             self.router.settle(state)
 
-    async def _assemble(self, req: LiveRequest) -> EncodedRequest:
-        """ZMQ and inline: copy the received parts into one slot (a seam fault plans wrap)."""
-        received = []
-        for state in req.parts:
-            assert state.message is not None and state.message[1] is not None
-            received.append(ReceivedPart.from_message(state.part, *state.message))  # type: ignore[arg-type]
-        layouts, nbytes = plan_layout(received)
-        req.slot = slot = await self.pool.acquire(nbytes)
-        if nbytes >= _COPY_IN_THREAD_BYTES:  # not cancellable: the copy always finishes
-            embeddings = await trio.to_thread.run_sync(copy_parts, slot, layouts)
-        else:
-            embeddings = copy_parts(slot, layouts)
-        req.slot = None  # the result owns it now
-        return EncodedRequest(req.req_id, slot, layouts, embeddings, self._reports(req))
-
-    async def _receive_in_place(self, req: LiveRequest, session: str) -> EncodedRequest:
-        """Mooncake: reserve the slot, have every encoder write its part there, view it."""
-        described = [state.described for state in req.parts]
-        layouts, nbytes = plan_layout(described)  # type: ignore[arg-type]
-        req.slot = slot = await self.pool.acquire(nbytes)
-        await write_parts(self._still_open(), req, slot, layouts, session, self.router.settle)
-        if req.failure is not None:
-            raise req.failure
-        req.slot = None  # the result owns it now
-        return EncodedRequest(req.req_id, slot, layouts, slot_views(slot, layouts),
-                              self._reports(req))
-
-    @staticmethod
-    def _reports(req: LiveRequest) -> tuple[PartReport, ...]:
-        return tuple(PartReport(st.part.part_idx, st.part.modality, st.encoder_url,
-                                st.part.item_indices, st.finished - st.started)
-                     for st in req.parts)
-
     # ---- one part -------------------------------------------------------------
     async def _run_part(self, req: LiveRequest, state: PartState) -> None:
         staged = False
         try:
             state.started = trio.current_time()
             response = await self._post(req, state)
-            part, num_parts = state.part, len(req.parts)
-            if self.config.transfer_backend == "inline":
-                state.message = inline_message(response, req.req_id, part, num_parts, state.encoder_url)
-                state.finished = trio.current_time()
-                return
-            if self.mooncake is not None:
-                meta, nbytes = parse_sized_meta(response, req.req_id, part.part_idx, num_parts)
-                check_sized_meta(meta, nbytes, part.modality, len(part.item_indices),
-                                 state.encoder_url)
-                state.described = ReceivedPart.from_meta(part, meta)
-                staged = True  # still outstanding: the encoder holds it for our /send
-                return
-            meta = parse_meta(response, req.req_id, part.part_idx, num_parts)
-            await state.arrived.wait()  # bounded by the request's deadline
-            state.finished = trio.current_time()
-            assert state.message is not None
-            header = state.message[0]
-            if header.kind == "embedding":  # an error one has already failed the request
-                check_message(header, meta, state.part.modality, len(state.part.item_indices),
-                              state.encoder_url)
+            await self.receiver.take(req, state, response)
+            staged = self.receiver.staged  # still outstanding: the encoder holds it for gather
         except EPDError as exc:
             req.fail(exc)
         finally:
@@ -485,16 +376,15 @@ class EncoderClient:
     async def _post(self, req: LiveRequest, state: PartState) -> Answer:
         """/encode through the router; its 200 answer, else the encoder's error."""
         part, calls = state.part, self._still_open()
-        assert self.addresses is not None
         body = {
             "req_id": req.req_id, "modality": part.modality,
             "mm_items": [req.wire[part.modality][i] for i in part.item_indices],
             "num_parts": len(req.parts), "part_idx": part.part_idx,
         }
         # "deliver" is the encoder's own: where it can reach us (chosen per attempt).
-        response = await self.router.post(calls, req, state, body, deliver=self.addresses.deliver_for)
-        # A Mooncake 200 leaves the part staged on the encoder until its /send.
-        state.answered = response.status_code != 200 or self.mooncake is None
+        response = await self.router.post(calls, req, state, body, deliver=self.receiver.deliver_for)
+        # A staging receiver's 200 leaves the part on the encoder until its gather fetches it.
+        state.answered = response.status_code != 200 or not self.receiver.staged
         if response.status_code != 200:
             raise http_error(response, req.req_id, state.encoder_url, part.part_idx)
         return response

@@ -5,8 +5,8 @@ its part by ``(req_id, part_idx)``. A message for no live part (late, repeated
 or unknown), or an embedding for a request that has already failed, is dropped
 and counted, never queued, and the hand-off is synchronous, so the socket
 never backs up behind a slow request. An ``error``
-message fails its request at once. Without a socket (inline, Mooncake) it is
-only the table of live parts.
+message fails its request at once. The ZMQ receiver (``receiving.zmq``) owns
+one and runs its task; no other receiver has a socket to serve.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ The layout is decided first, purely (``plan_layout``), from what the encoders
 said about each part; then the bytes get there. Each modality's parts go end to
 end in ``part_idx`` order, so a modality is one ``[tokens, dim]`` tensor over
 the slot and each item a row range of it. Modalities start on ``ALIGNMENT``
-boundaries, as their dtypes may differ. Both delivery backends share it: ZMQ
-parts are copied in (``copy_parts``), Mooncake parts are written by the
-encoders at their ``placements`` and only viewed (``slot_views``, no copy).
+boundaries, as their dtypes may differ. Every receiver (``receiving``) shares
+it: ZMQ and inline parts are copied in (``copy_parts``), Mooncake parts are
+written by the encoders at their ``placements`` and only viewed (``slot_views``,
+no copy).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Any
 import trio
 
 from epd_trio.client.pool import PoolStatistics, Slot
-from epd_trio.client.result import ReceivedPart
+from epd_trio.client.result import PartReport, ReceivedPart
 from epd_trio.client.routing import Part
 from epd_trio.errors import EPDError
 from epd_trio.protocol.messages import EmbeddingHeader
@@ -29,13 +29,13 @@ class ClientStatistics:
     encoders: tuple[str, ...]
     outstanding: Mapping[str, int]  # parts in flight per encoder
     requests_live: int
-    parts_live: int  # parts registered with the demultiplexer
+    parts_live: int  # parts of the live requests
     requests_done: int
     requests_failed: int
     retries: int  # parts moved to another encoder after a connect error or a draining refusal
     messages_received: int
     messages_dropped: int  # for no live part (late, duplicate or unknown) or a failed request
-    malformed_messages: int  # dropped by the PULL receiver
+    malformed_messages: int  # dropped by the PULL receiver (transfer_backend="zmq")
     aborts_sent: int
     aborts_failed: int
     refresh_failures: int  # registry queries and resolutions that failed (the last list was kept)
@@ -67,6 +67,12 @@ class LiveRequest:
     scope: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope)
     failure: EPDError | None = None
     slot: Slot | None = None  # the request's until its result takes it
+
+    def reports(self) -> tuple[PartReport, ...]:
+        """Where each part ran and for how long (the result's ``parts``)."""
+        return tuple(PartReport(st.part.part_idx, st.part.modality, st.encoder_url,
+                                st.part.item_indices, st.finished - st.started)
+                     for st in self.parts)
 
     def fail(self, exc: EPDError) -> None:
         """The first failure wins and cancels everything the request still does."""

@@ -6,28 +6,38 @@ class's own methods, so the client has no fault branch and removing a plan
 
 - ``client_dispatch`` — before ``client.router.post`` (a part's ``/encode``);
   a cancellation fails the request with ``AbortedError``.
-- ``client_gather`` — before ``client._assemble`` (received parts into a slot;
-  ZMQ and inline only); likewise.
-- ``demux`` — before ``client.demux.hand_off`` (a received message to its part):
-  a delay holds the socket, an error loses the message (counted as dropped, as
-  a network would lose one); the demultiplexer itself never dies of it.
+- ``client_gather`` — before ``client.receiver.gather`` (the taken parts into
+  one slot, whatever the transfer backend); likewise.
+- ``demux`` — before ``client.receiver.demux.hand_off`` (a pushed message to its
+  part; only a receiver with a demultiplexer has it): a delay holds the socket,
+  an error loses the message (counted as dropped, as a network would lose one);
+  the demultiplexer itself never dies of it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from epd_trio.errors import AbortedError, EPDError
 
 if TYPE_CHECKING:
+    from epd_trio.client.calls import EncoderCalls
     from epd_trio.client.demux import Demultiplexer
+    from epd_trio.client.result import EncodedRequest
     from epd_trio.client.state import LiveRequest
     from epd_trio.testing import FaultPlan
 
 __all__ = ["install"]
 
-_SEAMS = (("router", "post"), (None, "_assemble"), ("demux", "hand_off"))
+_SEAMS = (("router", "post"), ("receiver", "gather"), ("receiver.demux", "hand_off"))
+
+
+def _holder(owner: Any, path: str) -> Any:
+    """``owner.router``, ``owner.receiver.demux``...; None where the receiver has no such part."""
+    for name in path.split("."):
+        owner = getattr(owner, name, None)
+    return owner
 
 
 def install(plan: FaultPlan | None, owner: Any) -> bool:
@@ -36,12 +46,17 @@ def install(plan: FaultPlan | None, owner: Any) -> bool:
 
     if not isinstance(owner, EncoderClient):
         return False
-    for holder, name in _SEAMS:
-        vars(owner if holder is None else getattr(owner, holder)).pop(name, None)
+    for path, name in _SEAMS:
+        holder = _holder(owner, path)
+        if holder is not None:
+            vars(holder).pop(name, None)
     if plan is not None:
+        receiver = owner.receiver
         owner.router.post = _dispatch(plan, owner.router.post)  # type: ignore[method-assign,assignment]
-        owner._assemble = _gather(plan, owner._assemble)  # type: ignore[method-assign,assignment]
-        owner.demux.hand_off = _demux(plan, owner.demux)  # type: ignore[method-assign,assignment]
+        receiver.gather = _gather(plan, receiver.gather)  # type: ignore[method-assign,assignment]
+        demux = _holder(owner, "receiver.demux")
+        if demux is not None:
+            demux.hand_off = _demux(plan, demux)
     return True
 
 
@@ -58,12 +73,15 @@ def _dispatch(plan: FaultPlan, post: Callable[..., Awaitable[Any]]
     return post_with_faults
 
 
-def _gather(plan: FaultPlan, assemble: Callable[[LiveRequest], Awaitable[Any]]
-            ) -> Callable[[LiveRequest], Awaitable[Any]]:
-    async def assemble_with_faults(req: LiveRequest) -> Any:
+_Gather = Callable[["LiveRequest", "EncoderCalls"], Awaitable["EncodedRequest"]]
+
+
+def _gather(plan: FaultPlan, gather: _Gather
+            ) -> Callable[[LiveRequest, EncoderCalls], Coroutine[Any, Any, EncodedRequest]]:
+    async def gather_with_faults(req: LiveRequest, calls: EncoderCalls) -> EncodedRequest:
         await plan.inject("client_gather", cancel=_failer(req))
-        return await assemble(req)
-    return assemble_with_faults
+        return await gather(req, calls)
+    return gather_with_faults
 
 
 def _demux(plan: FaultPlan, demux: Demultiplexer) -> Callable[..., Awaitable[None]]:

@@ -1,4 +1,5 @@
-"""Which address each encoder is told to deliver to (``client.addresses``, ``_routes``).
+"""Which address each encoder is told to deliver to (``client.addresses``, ``_routes``,
+and the receivers that tell it).
 
 The decisions are driven here by a table of routes (host → the kernel's answer), as
 the kernel would give them on a multi-homed host; ``tests/multihost`` runs the same
@@ -24,11 +25,14 @@ from epd_trio._routes import (
 )
 from epd_trio.client import open_encoder_client
 from epd_trio.client.addresses import (
-    ReturnAddresses,
+    PullEndpoints,
+    check_session,
     choose_mooncake_host,
     endpoint_host,
 )
 from epd_trio.client.answers import EncoderUnreachable
+from epd_trio.client.pool import EmbeddingPool
+from epd_trio.client.receiving import InlineReceiver, ZmqReceiver
 from epd_trio.config import ClientConfig
 from epd_trio.errors import PeerUnavailable
 from epd_trio.transport import PushSocketCache
@@ -108,25 +112,25 @@ async def test_routes_are_cached_for_their_ttl(autojump_clock: object) -> None:
     assert routes.lookups == 2 and repr(routes) == "<Routes 1 hosts cached, 2 lookups>"
 
 
-async def open_addresses(routes: TableRoutes, **config: object) -> tuple[PullReceiver, ReturnAddresses]:
+async def open_addresses(routes: TableRoutes, **config: object) -> tuple[PullReceiver, PullEndpoints]:
     pull = PullReceiver(None)
     await pull.__aenter__()
-    return pull, ReturnAddresses(ClientConfig(**config), routes, pull=pull)  # type: ignore[arg-type]
+    return pull, PullEndpoints(ClientConfig(**config), routes, pull)  # type: ignore[arg-type]
 
 
 async def test_by_default_each_encoder_is_told_the_address_on_its_route() -> None:
     pull, addresses = await open_addresses(TableRoutes())
     try:
         assert pull.endpoints == []  # nothing listens before an encoder needs it
-        first = (await addresses.deliver_for(LOCAL))["endpoint"]
-        second = (await addresses.deliver_for(LOCAL_2))["endpoint"]
+        first = await addresses.endpoint_for(LOCAL)
+        second = await addresses.endpoint_for(LOCAL_2)
         assert first.startswith("tcp://127.0.0.1:") and second.startswith("tcp://127.0.0.2:")
-        assert (await addresses.deliver_for(LOCAL))["endpoint"] == first  # bound once per address
+        assert await addresses.endpoint_for(LOCAL) == first  # bound once per address
         assert pull.endpoints == [first, second] and addresses.endpoint == ""
         s = addresses.statistics()
-        assert (s.backend, s.endpoints, s.told, s.mooncake_host) == ("zmq", (first, second), "", None)
+        assert (s.endpoints, s.told) == ((first, second), "")
         with pytest.raises(EncoderUnreachable, match="unknown-host does not resolve"):
-            await addresses.deliver_for(UNKNOWN)  # the part may move to another encoder
+            await addresses.endpoint_for(UNKNOWN)  # the part may move to another encoder
     finally:
         await pull.aclose()
 
@@ -136,8 +140,8 @@ async def test_a_wildcard_bind_tells_each_encoder_its_routes_source() -> None:
     try:
         (bound,) = pull.endpoints
         port = bound.rsplit(":", 1)[1]
-        assert (await addresses.deliver_for(LOCAL))["endpoint"] == f"tcp://127.0.0.1:{port}"
-        assert (await addresses.deliver_for(REMOTE))["endpoint"] == f"tcp://198.18.0.1:{port}"
+        assert await addresses.endpoint_for(LOCAL) == f"tcp://127.0.0.1:{port}"
+        assert await addresses.endpoint_for(REMOTE) == f"tcp://198.18.0.1:{port}"
     finally:
         await pull.aclose()
 
@@ -152,11 +156,11 @@ async def test_loopback_told_to_an_encoder_on_another_host_fails_at_once(
     pull, addresses = await open_addresses(TableRoutes(), **config)
     try:
         with pytest.raises(PeerUnavailable, match=f"on another host.*set {setting}") as caught:
-            await addresses.deliver_for(REMOTE)
+            await addresses.endpoint_for(REMOTE)
         assert "198.18.0.1" in caught.value.message  # the address that would reach it
         # local encoders, and ones whose route is unknown (the connection will tell), are fine
         for url in (LOCAL, "http://198.18.0.1:8000", UNKNOWN):
-            assert (await addresses.deliver_for(url))["endpoint"] == addresses.endpoint
+            assert await addresses.endpoint_for(url) == addresses.endpoint
     finally:
         await pull.aclose()
 
@@ -167,21 +171,19 @@ async def test_a_configured_address_that_is_no_loopback_is_told_to_everyone() ->
     try:
         port = pull.endpoints[0].rsplit(":", 1)[1]
         assert addresses.endpoint == f"tcp://node-7.example:{port}"
-        assert (await addresses.deliver_for(REMOTE))["endpoint"] == addresses.endpoint
+        assert await addresses.endpoint_for(REMOTE) == addresses.endpoint
     finally:
         await pull.aclose()
 
 
 async def test_mooncake_on_loopback_is_refused_for_an_encoder_on_another_host() -> None:
     routes = TableRoutes()
-    config = ClientConfig(transfer_backend="mooncake")
-    loopback = ReturnAddresses(config, routes, mooncake_host="127.0.0.1")
-    assert await loopback.deliver_for(LOCAL) == {"backend": "mooncake"}
+    await check_session(routes, "127.0.0.1", LOCAL)  # type: ignore[arg-type]
     with pytest.raises(PeerUnavailable, match=r"set ClientConfig.mooncake_host"):
-        await loopback.deliver_for(REMOTE)
-    routed = ReturnAddresses(config, routes, mooncake_host="198.18.0.1")
-    assert await routed.deliver_for(REMOTE) == {"backend": "mooncake"}
-    inline = ReturnAddresses(ClientConfig(transfer_backend="inline"), routes)
+        await check_session(routes, "127.0.0.1", REMOTE)  # type: ignore[arg-type]
+    await check_session(routes, "198.18.0.1", REMOTE)  # type: ignore[arg-type]
+    inline = InlineReceiver(ClientConfig(transfer_backend="inline"), EmbeddingPool(1024), lambda _: None)
+    inline.routes = routes  # type: ignore[assignment]
     assert await inline.deliver_for(REMOTE) == {"backend": "inline"}
     assert routes.asked == ["127.0.0.1", "198.18.0.2"]  # the loopback one's checks; inline asks nothing
 
@@ -211,12 +213,14 @@ async def test_a_part_whose_encoder_has_no_route_moves_and_is_told_its_new_encod
     fakes = FakeEncoders(push, behaviours)
     client = open_encoder_client(encoder_urls=list(behaviours), http_transport=fakes.transport(),
                                  pool_bytes=1 << 16)
-    client.routes = TableRoutes()  # type: ignore[assignment]
+    client.receiver.routes = TableRoutes()  # type: ignore[assignment]
     async with client:
         async with await client.encode({"image": [item_bytes(0), item_bytes(1)]}) as result:
             assert [r.encoder_url for r in result.parts] == [LOCAL, LOCAL]
         assert [url for url, _ in fakes.encode_calls] == [LOCAL, LOCAL]  # UNKNOWN never called
-        assert {b["deliver"]["endpoint"] for _, b in fakes.encode_calls} == set(client.addresses.endpoints)
+        assert isinstance(client.receiver, ZmqReceiver) and client.receiver.addresses is not None
+        assert {b["deliver"]["endpoint"] for _, b in fakes.encode_calls} == \
+            set(client.receiver.addresses.endpoints)
         assert client.statistics().retries == 1
 
 

@@ -93,7 +93,7 @@ async def test_five_images_over_two_encoders_are_stitched_in_order(make: Callabl
             assert {b["req_id"] for _, b in fakes.encode_calls} == {rid}
             # two loopback encoders: one automatic bind, on loopback, told to both
             assert client.endpoint == ""  # no endpoint is configured
-            (bound,) = client.addresses.endpoints
+            (bound,) = client.receiver.addresses.endpoints
             assert bound.startswith("tcp://127.0.0.1:")
             assert {b["deliver"]["endpoint"] for _, b in fakes.encode_calls} == {bound}
             assert [decode_item(i) for i in fakes.calls_to(E0)[0]["mm_items"]] == items[:3]
@@ -273,7 +273,7 @@ async def test_messages_for_no_live_part_are_dropped_and_counted(
         stale = fakes.sent[(rid, 0)]
         header = header_for(stale, req_id=rid, part_idx=0, num_parts=2, modality="image",
                             token_counts=[stale.shape[0]])
-        (endpoint,) = client.addresses.endpoints
+        (endpoint,) = client.receiver.addresses.endpoints
         await push.send(endpoint, encode_zmq_message(header, stale), 5)  # a late duplicate
         unknown = header_for(stale, req_id="nobody", part_idx=0, num_parts=1, modality="image",
                              token_counts=[stale.shape[0]])
@@ -471,7 +471,7 @@ async def test_statistics_repr_and_endpoint(make: Callable) -> None:
     with pytest.raises(RuntimeError, match="async with"):
         await client.encode({"image": images(1)})
     async with client:
-        assert client.endpoint == "" and client.addresses.endpoints == ()  # bound on first need
+        assert client.endpoint == "" and client.receiver.addresses.endpoints == ()  # bound on first need
         assert "2 encoders, 0 requests live" in repr(client)
         assert client.statistics().encoders == (E0, E1)
 

@@ -229,15 +229,15 @@ async def test_a_request_too_big_for_the_pool_is_refused_and_its_parts_aborted(
 async def test_a_failed_write_fails_the_request_and_releases_both_sides(
         encoder_urls: list[str]) -> None:
     async with mooncake_client(encoder_urls) as client:
-        assert client.mooncake is not None
-        real = client.mooncake.session
+        assert client.receiver.engine is not None
+        real = client.receiver.engine.session
         # Encoders are told to write to a Mooncake peer that does not exist.
-        client.mooncake.session = "127.0.0.1:1"
+        client.receiver.engine.session = "127.0.0.1:1"
         try:
             with pytest.raises(RemoteEncodeError) as info:
                 await client.encode({"image": IMAGES[:2]}, timeout=20)
         finally:
-            client.mooncake.session = real
+            client.receiver.engine.session = real
         assert info.value.status_code >= 500, info.value
         assert_clean(client)
         await wait_encoders_released(encoder_urls)

@@ -47,7 +47,7 @@ async def test_the_parts_report_what_the_client_composes(push: PushSocketCache) 
                                    pool_bytes=64 << 10) as client:
         async with await client.encode({"image": images(3)}):
             pass
-        routed, demux = client.router.statistics(), client.demux.statistics()
+        routed, demux = client.router.statistics(), client.receiver.demux.statistics()
         assert routed == RouterStatistics((E0, E1), {E0: 0, E1: 0}, retries=1, aborts_sent=0,
                                           aborts_failed=0)
         assert demux == DemuxStatistics(parts_live=0, messages_received=2, messages_dropped=0,
@@ -59,7 +59,7 @@ async def test_the_parts_report_what_the_client_composes(push: PushSocketCache) 
         assert client.discovery is None and s.refresh_failures == 0
         assert repr(client.router) == \
             "<Router 2 encoders, 0 parts out, 1 retries, aborts 0 sent / 0 failed>"
-        assert repr(client.demux).endswith("0 parts live, received 2, dropped 0 (+0 malformed)>")
+        assert repr(client.receiver.demux).endswith("0 parts live, received 2, dropped 0 (+0 malformed)>")
 
 
 def test_the_router_keeps_counts_of_encoders_that_left() -> None:
@@ -108,8 +108,8 @@ async def test_a_dispatch_fault_fails_the_request_and_removing_it_restores_the_c
             await client.encode({"image": images(2)})
         assert plan.hits == {"client_dispatch": 1} and fakes.encode_calls == []
         install_faults(None, client)
-        assert "_assemble" not in vars(client) and "post" not in vars(client.router)
-        assert "hand_off" not in vars(client.demux)
+        assert "gather" not in vars(client.receiver) and "post" not in vars(client.router)
+        assert "hand_off" not in vars(client.receiver.demux)
         async with await client.encode({"image": images(2)}) as result:
             assert torch.equal(result.embeddings["image"], expected(images(2), "image"))
         assert plan.hits == {"client_dispatch": 1}
@@ -138,7 +138,7 @@ async def test_a_demux_fault_loses_the_message_not_the_demultiplexer(push: PushS
         async with trio.open_nursery() as nursery:
             nursery.start_soon(client.encode, {"image": images(1)})
             with trio.fail_after(5):
-                while client.demux.statistics().messages_dropped < 1:
+                while client.receiver.demux.statistics().messages_dropped < 1:
                     await trio.sleep(0.001)
             nursery.cancel_scope.cancel()
         assert client.statistics().messages_received == 1

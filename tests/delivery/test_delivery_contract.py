@@ -12,6 +12,7 @@ import trio
 import zmq
 
 import epd_trio
+from conftest import docstring_ids
 from epd_trio.config import ENCODER_BACKENDS, SGLANG_BACKENDS
 from epd_trio.delivery import FACTORIES, Delivery, PulledDelivery, build_delivery, map_exceptions
 from epd_trio.delivery.base import DeliveryContext
@@ -84,19 +85,8 @@ BACKEND_NAMES = frozenset({*BACKENDS, *SGLANG_DELIVERIES, *VLLM_DELIVERIES, *SGL
 TRANSPORT_MODULES = ("epd_trio.transport", "epd_trio.delivery", "zmq", "mooncake")
 
 
-def _docstrings(tree: ast.AST) -> set[int]:
-    """The ids of the module's, classes' and functions' docstring nodes (prose, not code)."""
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) \
-                and node.body and isinstance(node.body[0], ast.Expr) \
-                and isinstance(node.body[0].value, ast.Constant):
-            found.add(id(node.body[0].value))
-    return found
-
-
 def _backends_named(tree: ast.AST) -> list[str]:
-    prose = _docstrings(tree)
+    prose = docstring_ids(tree)
     return [n.value for n in ast.walk(tree)
             if isinstance(n, ast.Constant) and n.value in BACKEND_NAMES and id(n) not in prose]
 

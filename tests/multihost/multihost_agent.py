@@ -164,9 +164,11 @@ class Agent:
     @staticmethod
     def _state(client: EncoderClient) -> dict[str, Any]:
         s = client.statistics()
+        addresses = getattr(client.receiver, "addresses", None)  # a ZMQ receiver's
+        engine = getattr(client.receiver, "engine", None)  # a Mooncake receiver's
         return {"retries": s.retries, "requests_live": s.requests_live,
-                "endpoints": list(client.addresses.endpoints) if getattr(client, "addresses", None) else [],
-                "mooncake_session": client.mooncake.session if client.mooncake else None,
+                "endpoints": list(addresses.endpoints) if addresses is not None else [],
+                "mooncake_session": engine.session if engine is not None else None,
                 "discovery": dataclasses.asdict(client.discovery.statistics())
                 if client.discovery else None}
 
