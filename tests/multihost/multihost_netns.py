@@ -46,6 +46,11 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return done
 
 
+def _is_up(netns: str, interface: str) -> bool:
+    shown = _ip("-n", netns, "-o", "link", "show", interface, check=False).stdout
+    return "state UP" in shown
+
+
 def netns_problem() -> str | None:
     """Why namespaces cannot be made here (None when they can): tried, not guessed."""
     if shutil.which("ip") is None:
@@ -101,7 +106,15 @@ class Host:
         _ip("-n", self.switch, "link", "set", self.cable, "down")
 
     def restore(self) -> None:
+        """Put the cable back, and return once it carries traffic: both ends up, and no
+        neighbour entry the cut left failed (a connect would wait on it or be refused)."""
         _ip("-n", self.switch, "link", "set", self.cable, "up")
+        deadline = time.monotonic() + COMMAND_TIMEOUT
+        while not (_is_up(self.switch, self.cable) and _is_up(self.netns, "eth0")):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.label}'s cable stays down after it was put back")
+            time.sleep(0.05)
+        _ip("-n", self.netns, "neigh", "flush", "all")
 
     def use_nameserver(self, address: str) -> None:
         """Resolve names through ``address`` (for processes started after this)."""
