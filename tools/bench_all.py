@@ -28,7 +28,9 @@ import bench_results  # noqa: E402
 
 # tool → (quick arguments, full arguments); the order is the docs page's.
 TOOLS: dict[str, tuple[list[str], list[str]]] = {
-    "bench_engine": (["--quick"], []),
+    # The quick case is an embedder's on a CPU (docs/batching.md): 16 callers, max batch 8.
+    "bench_engine": (["--quick", "--concurrency", "16", "--max-batch-size", "8", "--images", "16",
+                      "--sizes", "448"], []),
     "bench_service": (["--quick"], []),
     "bench_capacity": (["--quick", "--null-forward"], ["--null-forward"]),
     "bench_preprocess": (["--quick"], []),

@@ -39,9 +39,12 @@ bare loop of the same checkpoint's image processor and vision tower (`visual(pix
 grid_thw=...)` under `inference_mode`, as `get_image_features` calls it) on the same images:
 once in groups of exactly the batch sizes the engine ran, and at fixed batch sizes 1 and
 `max_batch_size`. `engine/best bare` holds the engine to the best of those (target: at least
-0.95); the engine's outputs are checked against the bare loop's. `--quick` uses a small vision
-tower (depth 8, hidden 640); without it the tower has Qwen2.5-VL-7B's dimensions (random
-weights, bfloat16)."""),
+0.95); the engine's outputs are checked against the bare loop's. The engine runs with default
+settings, as a program that embeds it does: `1st pass/best bare` includes the learning of the
+batch cap, `engine/best bare` runs with what was learned, `cap tok` is the learned cap and
+`fixed/best bare` an engine with `adaptive_batch=False` ([Batching](batching.md)). `--quick`
+uses a small vision tower (depth 8, hidden 640); without it the tower has Qwen2.5-VL-7B's
+dimensions (random weights, bfloat16)."""),
     "bench_service": Section("The service against the engine", """\
 One trio program serves an encoder (HTTP and gRPC on port 0) and calls it through the
 receiver library, httpx and a gRPC channel, beside the *same* engine the server wraps, so
