@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import inspect
+import os
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -39,14 +40,15 @@ from epd_trio.errors import EncodeTimeout
 from epd_trio.testing import Fault, FaultPlan, install_faults
 
 HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
+REQUIRE_MOONCAKE = os.environ.get("EPD_REQUIRE_MOONCAKE") == "1"  # CI: never skipped
 IMAGES = [png_bytes(56, 56, seed=1), png_bytes(84, 56, seed=2), png_bytes(56, 112, seed=3)]
 IN_PLACE = [name for name, cls in RECEIVERS.items() if cls.staged]
 
 
 def backends(names: list[str]) -> list[Any]:
-    """Each name as a parameter; Mooncake's skipped without its extra."""
+    """Each name as a parameter; Mooncake's skipped without its extra (unless required)."""
     return [pytest.param(n, marks=pytest.mark.skipif(
-        RECEIVERS[n] is RECEIVERS.get("mooncake") and not HAVE_MOONCAKE,
+        RECEIVERS[n] is RECEIVERS.get("mooncake") and not HAVE_MOONCAKE and not REQUIRE_MOONCAKE,
         reason="Mooncake is an optional extra (epd-trio[mooncake-cpu])")) for n in names]
 
 
