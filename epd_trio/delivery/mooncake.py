@@ -159,12 +159,13 @@ class MooncakeDelivery:
         nbytes = embedding.numel() * embedding.element_size()
         served: set[tuple[str, int]] = set()
         all_served = trio.Event()
+        cut: list[EPDError] = [UnknownRequestError("the request was released")]
 
         async def write(order: SendOrder) -> None:
             try:
                 await write_once(order)
-            finally:  # cancelled once every destination was served: tell its handler
-                order.finish(outcome.Error(UnknownRequestError("the request was released")))
+            finally:  # cancelled (every destination served, or the time ran out): say which
+                order.finish(outcome.Error(cut[0]))
 
         async def write_once(order: SendOrder) -> None:
             if order.length < nbytes:
@@ -194,11 +195,14 @@ class MooncakeDelivery:
                 writers.start_soon(take_orders)
                 with trio.move_on_after(self._timeout) as waiting:
                     await all_served.wait()
+                if waiting.cancelled_caught:
+                    wanted = self.mailbox.receive_count
+                    cut[0] = TransferTimeout(
+                        f"{wanted - len(served)} of {wanted} receivers were not written within the "
+                        f"send timeout ({self._timeout} s): no /send came, or its write ran over")
                 writers.cancel_scope.cancel()
             if waiting.cancelled_caught:
-                wanted = self.mailbox.receive_count
-                raise TransferTimeout(f"{wanted - len(served)} of {wanted} "
-                                      f"receivers did not /send within {self._timeout} s")
+                raise cut[0]
 
     def __repr__(self) -> str:
         return (f"<MooncakeDelivery {self._request.req_id!r} for {self.mailbox.receive_count} "

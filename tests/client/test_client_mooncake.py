@@ -294,8 +294,10 @@ async def test_an_abort_answered_before_the_write_stopped_holds_the_slot(encoder
     that lands afterwards lands in memory no other request has been given."""
     from epd_trio.testing.transport_faults import held_writes
 
-    async with encoder(transfer_backend="mooncake", send_timeout=0.5) as (server, _), \
-            mooncake_client([server.url], abort_hold=2.0) as client:
+    # The encoder's /abort answers within send_timeout, inside the client's abort_timeout; the
+    # last, unheld request must also fit in send_timeout on a loaded machine (0.5 s did not).
+    async with encoder(transfer_backend="mooncake", send_timeout=2.0) as (server, _), \
+            mooncake_client([server.url], abort_hold=2.0, abort_timeout=6.0) as client:
         with held_writes(server.service.deliveries.mooncake) as gate:
             with pytest.raises(EncodeTimeout):  # the write is held: the request runs out
                 await client.encode({"image": IMAGES[:1]}, timeout=3.0)

@@ -244,3 +244,36 @@ async def test_a_write_left_past_its_settle_bound_keeps_abort_from_saying_releas
                 await trio.sleep(0.01)
         assert (await http.post("/abort", json={"req_id": "o"})).status_code == 404
         assert (await stats(http))["registry"]["unsettled"] == 0
+
+
+async def test_a_write_cut_by_the_send_timeout_answers_its_send_with_the_timeout(
+        encoder: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A /send whose write is still running when the part's send timeout runs out learns
+    that (504, naming the timeout), not a 404 "released" that reads like a client error."""
+    from epd_trio.testing.transport_faults import held_writes
+
+    monkeypatch.setattr("epd_trio.transport.mooncake._SETTLE_LIMIT", 0.2)
+    answers: list[Any] = []
+    async with encoder(transfer_backend="mooncake", send_timeout=1.0) as (server, http), \
+            receiver(1 << 16) as (mc, buf):
+        with held_writes(server.service.deliveries.mooncake) as gate:
+            meta = (await http.post("/encode", json=body("t", png_bytes(56, 56)))).json()
+            with trio.fail_after(15):  # the part waits for orders: its send timeout runs
+                while not (await stats(http))["mooncake"]["registered_regions"]:
+                    await trio.sleep(0.01)
+            # posted after that, the write's own bound ends after the part's timeout
+
+            async def send() -> None:
+                answers.append(await http.post("/send", json={
+                    "req_id": "t", "session": mc.session, "buffer_address": buf.data_ptr(),
+                    "buffer_length": meta["nbytes"]}))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send)
+                with trio.fail_after(15):
+                    while not answers:
+                        await trio.sleep(0.01)
+            assert gate.held == 1
+    (answer,) = answers
+    assert answer.status_code == 504, answer.text
+    assert "send timeout (1.0 s)" in answer.json()["error"]["message"]
