@@ -2,9 +2,9 @@
 
 A host that dies or loses its link sends nothing: no reset, no FIN. Without
 probes a call to it waits out the request's whole timeout. Both of the client's
-transports probe a connection that has gone quiet and drop it ``PEER_LOST_AFTER``
-seconds after the encoder was last heard from, however long an encode takes (a
-live peer answers a probe while it works):
+transports probe the connection and drop it at most ``PEER_LOST_AFTER`` seconds
+after the encoder was last heard from, however long an encode takes (a live peer
+answers a probe while it works):
 
 - HTTP: TCP keepalive on every socket, and TCP_USER_TIMEOUT for data the peer
   never acknowledges (``tcp_socket_options``);
@@ -24,8 +24,8 @@ __all__ = ["GRPC_CHANNEL_OPTIONS", "PEER_LOST_AFTER", "tcp_socket_options"]
 _KEEPIDLE, _KEEPINTVL, _KEEPCNT = KEEPALIVE_PING_INTERVAL_S, 2, 3  # seconds, seconds, probes
 PEER_LOST_AFTER: Final = _KEEPIDLE + _KEEPINTVL * _KEEPCNT  # seconds
 
-# A ping after 5 s of quiet, the connection dropped if it is not answered in the 6 s after:
-# the same 11 s as TCP. grpc (1.85) enforces an unanswered ping by its ping timeout (one
+# A ping every 5 s during a call (grpc times them from the last ping, not from the last data),
+# the connection dropped if one is not answered in the 6 s after: 6 to 11 s, TCP's 11 s at most. grpc (1.85) enforces an unanswered ping by its ping timeout (one
 # minute by default), not by the keepalive timeout, so both are set. Pings only while a call
 # runs (an idle channel is left alone), without a cap on pings between data frames (grpc's
 # default stops after two).
