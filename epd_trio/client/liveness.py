@@ -25,10 +25,11 @@ _KEEPIDLE, _KEEPINTVL, _KEEPCNT = KEEPALIVE_PING_INTERVAL_S, 2, 3  # seconds, se
 PEER_LOST_AFTER: Final = _KEEPIDLE + _KEEPINTVL * _KEEPCNT  # seconds
 
 # A ping every 5 s during a call (grpc times them from the last ping, not from the last data),
-# the connection dropped if one is not answered in the 6 s after: 6 to 11 s, TCP's 11 s at most. grpc (1.85) enforces an unanswered ping by its ping timeout (one
-# minute by default), not by the keepalive timeout, so both are set. Pings only while a call
-# runs (an idle channel is left alone), without a cap on pings between data frames (grpc's
-# default stops after two).
+# the connection dropped if one is not answered in the 6 s after: 6 to 11 s, TCP's 11 s at
+# most. grpc (1.85) enforces an unanswered ping by its ping timeout (one minute by default),
+# not by the keepalive timeout, so both are set. Pings only while a call runs (an idle
+# channel is left alone), without a cap on pings between data frames (grpc's default stops
+# after two).
 _PING_ANSWERED_WITHIN_MS: Final = (PEER_LOST_AFTER - _KEEPIDLE) * 1000
 GRPC_CHANNEL_OPTIONS: Final = (
     ("grpc.keepalive_time_ms", _KEEPIDLE * 1000),
