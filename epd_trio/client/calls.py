@@ -11,6 +11,7 @@ path has no RPC there, so that a part moves to an encoder that serves it).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
 from typing import Any
@@ -21,9 +22,11 @@ import msgspec
 from epd_trio.client.answers import Answer, EncoderUnreachable
 from epd_trio.client.grpc_channel import GRPC_SCHEME, GrpcChannels
 from epd_trio.client.liveness import tcp_socket_options
-from epd_trio.errors import PayloadTooLargeError
+from epd_trio.errors import PayloadTooLargeError, PeerUnavailable
 
 __all__ = ["EncoderCalls", "encoder_transport"]
+
+log = logging.getLogger(__name__)
 
 def encoder_transport() -> httpx.AsyncHTTPTransport:
     """httpx's transport with dead-peer detection on every connection (``liveness``)."""
@@ -59,9 +62,12 @@ class EncoderCalls:
     """The client's two faces behind one call, chosen by URL scheme."""
 
     def __init__(self, http: httpx.AsyncClient, grpc: GrpcChannels, *,
-                 max_answer_bytes: int = 1 << 40) -> None:
+                 max_answer_bytes: int = 1 << 40, probes: httpx.AsyncClient | None = None) -> None:
         self.http = http
         self.grpc = grpc
+        # Probes get their own connection pool: one full of calls would hold a probe back
+        # until a live encoder looked dead.
+        self.probes = probes or http
         self.max_answer_bytes = max_answer_bytes  # an HTTP answer's body, at most
         # What http.build_request would merge into every request, merged once: it cost the
         # caller's trio thread ~80 µs per request (URL parsing, header and cookie merging).
@@ -96,6 +102,19 @@ class EncoderCalls:
         finally:
             await response.aclose()
         return response
+
+    async def probe(self, url: str) -> None:
+        """Return once the encoder at ``url`` answers anything (``/model_info``, the cheapest
+        route every face serves; any status will do): its host and process are alive.
+        ``PeerUnavailable`` when no answer could come; the caller bounds the wait."""
+        if url.startswith(GRPC_SCHEME):
+            await self.grpc.probe(url)
+            return
+        try:
+            response = await self.probes.get(url + "/model_info")
+        except httpx.TransportError as exc:
+            raise PeerUnavailable(f"{url} did not answer: {exc!r}") from exc
+        log.debug("%s answered a probe (%d)", url, response.status_code)
 
     def _url(self, text: str) -> httpx.URL:
         url = self._urls.get(text)

@@ -150,9 +150,12 @@ class EncoderClient:
             timeout = httpx.Timeout(None, connect=self.config.connect_timeout)  # deadlines are ours
             self._http = http = await self._stack.enter_async_context(
                 httpx.AsyncClient(timeout=timeout, transport=self._transport or encoder_transport()))
+            probes = None if self._transport is not None else await self._stack.enter_async_context(
+                httpx.AsyncClient(timeout=timeout, transport=encoder_transport()))
             # A part's answer holds at most its embedding (inline), which must fit the pool.
             self._calls = EncoderCalls(http, await self._stack.enter_async_context(self.grpc),
-                                       max_answer_bytes=self.config.pool_bytes + _ANSWER_SLACK)
+                                       max_answer_bytes=self.config.pool_bytes + _ANSWER_SLACK,
+                                       probes=probes)
             nursery = await self._stack.enter_async_context(trio.open_nursery())
             if self.discovery is not None:
                 await nursery.start(self.discovery.run, http)  # the first list before any request
@@ -365,7 +368,7 @@ class EncoderClient:
         try:
             state.started = trio.current_time()
             response = await self._post(req, state)
-            await self.receiver.take(req, state, response)
+            await self.receiver.take(req, state, response, self._still_open())
             staged = self.receiver.staged  # still outstanding: the encoder holds it for gather
         except EPDError as exc:
             req.fail(exc)

@@ -34,7 +34,7 @@ import trio
 from epd_trio._util import wait_done
 from epd_trio.client.answers import grpc_failure
 from epd_trio.client.liveness import GRPC_CHANNEL_OPTIONS
-from epd_trio.errors import ProtocolError, RequestError
+from epd_trio.errors import PeerUnavailable, ProtocolError, RequestError
 from epd_trio.protocol.grpc_messages import (
     ERROR_TYPE_KEY,
     MESSAGE_LIMIT,
@@ -46,6 +46,8 @@ from epd_trio.protocol.proto import encoder_pb2 as pb, encoder_pb2_grpc as pb_gr
 __all__ = ["GRPC_SCHEME", "GrpcAnswer", "GrpcChannelStatistics", "GrpcChannels"]
 
 GRPC_SCHEME: Final = "grpc://"
+# The codes grpcio gives a call that no server answered (any other code is the server's).
+_NO_ANSWER: Final = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 # The encoder's own limits (its server takes messages up to 256 MiB, as SGLang's does), and
 # a silent encoder dropped as an HTTP one is (``liveness``).
 _OPTIONS: Final = (("grpc.max_send_message_length", MESSAGE_LIMIT),
@@ -161,6 +163,13 @@ class GrpcChannels:
                                      error_type if isinstance(error_type, str) else None, target=f"{url} {method}",
                                      req_id=body.get("req_id"))
         return GrpcAnswer(status, body=error)
+
+    async def probe(self, url: str) -> None:
+        """Return once the encoder at ``url`` answers anything (its cheapest RPC, whatever its
+        status); ``PeerUnavailable`` when the call could not reach it. The caller bounds it."""
+        future = await self._call(self._stub(url).GetModelInfo, pb.ModelInfoRequest())
+        if future.exception() is not None and future.code() in _NO_ANSWER:
+            raise PeerUnavailable(f"{url} did not answer: {future.code().name} {future.details()}")
 
     async def _call(self, rpc: grpc.UnaryUnaryMultiCallable, message: Any) -> grpc._CallFuture[Any]:
         """Start ``rpc`` and wait for it without a thread; cancelling the wait cancels it."""

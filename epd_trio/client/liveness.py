@@ -10,16 +10,28 @@ answers a probe while it works):
   never acknowledges (``tcp_socket_options``);
 - gRPC: HTTP/2 keepalive pings while a call is in flight (``GRPC_CHANNEL_OPTIONS``),
   as often as the encoder's gRPC server accepts them (``KEEPALIVE_PING_INTERVAL_S``).
+
+Between calls nothing is in flight to probe: a ZMQ part whose ``/encode`` was
+answered waits for a message the encoder has handed to ZMQ, on a connection the
+client cannot watch. ``wait_heard_from`` asks the encoder directly while that
+message is late.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
+from collections.abc import Awaitable, Callable
 from typing import Final
 
+import trio
+
+from epd_trio.errors import PeerUnavailable
 from epd_trio.protocol.grpc_messages import KEEPALIVE_PING_INTERVAL_S
 
-__all__ = ["GRPC_CHANNEL_OPTIONS", "PEER_LOST_AFTER", "tcp_socket_options"]
+__all__ = ["GRPC_CHANNEL_OPTIONS", "PEER_LOST_AFTER", "tcp_socket_options", "wait_heard_from"]
+
+log = logging.getLogger(__name__)
 
 _KEEPIDLE, _KEEPINTVL, _KEEPCNT = KEEPALIVE_PING_INTERVAL_S, 2, 3  # seconds, seconds, probes
 PEER_LOST_AFTER: Final = _KEEPIDLE + _KEEPINTVL * _KEEPCNT  # seconds
@@ -49,3 +61,40 @@ def tcp_socket_options() -> list[tuple[int, int, int]]:
         if hasattr(socket, name):
             options.append((socket.IPPROTO_TCP, getattr(socket, name), value))
     return options
+
+
+async def wait_heard_from(arrived: trio.Event, probe: Callable[[], Awaitable[None]], what: str) -> None:
+    """Wait for ``arrived``; while it is late, ``probe`` the peer every ``KEEPALIVE_PING_INTERVAL_S``.
+
+    A probe not answered within the rest of ``PEER_LOST_AFTER`` (or that fails to
+    reach the peer) raises ``PeerUnavailable``: the peer is given up on at most
+    ``PEER_LOST_AFTER`` seconds after it was last heard from, as on a call. A peer
+    that answers is waited for (the caller's deadline bounds that); ``arrived``
+    during a probe ends the wait at once.
+    """
+    while True:
+        with trio.move_on_after(KEEPALIVE_PING_INTERVAL_S):
+            await arrived.wait()
+            return
+        log.info("%s: not come after %s s; asking whether the encoder is alive", what,
+                 KEEPALIVE_PING_INTERVAL_S)
+        lost: BaseException | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_cancel_on, arrived, nursery.cancel_scope)
+            try:
+                with trio.fail_after(PEER_LOST_AFTER - KEEPALIVE_PING_INTERVAL_S):
+                    await probe()
+            except (trio.TooSlowError, PeerUnavailable) as exc:
+                lost = exc
+            nursery.cancel_scope.cancel()
+        if arrived.is_set():
+            return
+        if lost is not None:
+            reason = "no answer" if isinstance(lost, trio.TooSlowError) else str(lost)
+            raise PeerUnavailable(f"{what}: the encoder was not heard from for {PEER_LOST_AFTER} s "
+                                  f"({reason})") from lost
+
+
+async def _cancel_on(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()

@@ -3,22 +3,25 @@ freeze; one that is merely slow is not.
 
 The peer here is a real encoder process frozen with SIGSTOP: its kernel still acknowledges
 TCP (so TCP keepalive alone would wait out the request's timeout), but nothing answers the
-HTTP/2 keepalive pings, as on a host whose link was cut. gRPC runs on real time on
-grpcio's threads, so these tests wait real seconds (about 11 and 28).
+HTTP/2 keepalive pings, as on a host whose link was cut. The same freeze after a ZMQ part's
+answer, before its message, is caught by the client's probes (``wait_heard_from``). gRPC runs on
+real time on grpcio's threads, so these tests wait real seconds (about 11, 28 and 23 each).
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 
 import pytest
 import trio
 
 from conftest import listening_url, png_bytes, spawn
-from epd_trio import PeerUnavailable, open_encoder_client
+from epd_trio import EncodeTimeout, PeerUnavailable, open_encoder_client
 from epd_trio.client.liveness import PEER_LOST_AFTER
 from epd_trio.config import EncoderConfig, EngineConfig
 from epd_trio.encoder.server import serve_encoder
+from epd_trio.errors import TransportError
 from epd_trio.protocol.grpc_messages import KEEPALIVE_PING_INTERVAL_S
 from epd_trio.testing import Fault, FaultPlan, install_faults
 
@@ -67,3 +70,53 @@ async def test_a_slow_grpc_encode_outlives_many_keepalive_pings(qwen25_path: str
             with trio.fail_after(TIMEOUT - 10):
                 async with await client.encode({"image": IMAGES}) as result:
                     assert result.embeddings["image"].shape[0] == sum(result.token_counts["image"])
+
+
+@pytest.mark.parametrize("scheme", ["http", "grpc"])
+async def test_a_late_zmq_message_has_its_encoder_asked_whether_it_is_alive(
+        qwen25_path: str, scheme: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The answer has come, the ZMQ message it announced has not (lost here on its way: a
+    fault at the client's socket). While the encoder answers, the part waits for its
+    deadline; once the encoder is frozen, it fails ``PEER_LOST_AFTER`` after it was last
+    heard from, not at the deadline."""
+    caplog.set_level(logging.INFO, logger="epd_trio.client.liveness")
+    with spawn("encoder", "--port", "0", "--grpc-port", "0", "--model-path", qwen25_path) as proc:
+        url = await listening_url(proc)
+        line = await trio.to_thread.run_sync(proc.stdout.readline)  # type: ignore[union-attr]
+        if scheme == "grpc":
+            url = line.rsplit(" ", 1)[1].strip()
+        async with open_encoder_client(encoder_urls=[url], timeout=TIMEOUT,
+                                       transfer_backend="zmq") as client:
+            install_faults(FaultPlan(0, [Fault("demux", error=TransportError)]), client)
+            started = trio.current_time()
+            with pytest.raises(EncodeTimeout):  # alive: asked twice, waited for to the deadline
+                await client.encode({"image": IMAGES}, timeout=PEER_LOST_AFTER + 1)
+            assert trio.current_time() - started > PEER_LOST_AFTER
+            asked = [r for r in caplog.records if "asking whether the encoder is alive" in r.getMessage()]
+            assert len(asked) >= 2, caplog.text
+
+            frozen: list[float] = []
+
+            async def freeze_once_the_message_is_lost() -> None:
+                dropped = client.statistics().messages_dropped
+                while client.statistics().messages_dropped == dropped:
+                    await trio.sleep(0.005)
+                proc.send_signal(signal.SIGSTOP)
+                frozen.append(trio.current_time())
+
+            try:
+                started = trio.current_time()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(freeze_once_the_message_is_lost)
+                    with trio.fail_after(TIMEOUT - 20), \
+                            pytest.raises(PeerUnavailable, match="not heard from"):
+                        await client.encode({"image": IMAGES})
+                took = trio.current_time() - frozen[0]
+            finally:
+                proc.send_signal(signal.SIGCONT)
+            stats = client.statistics()
+    # Between the probe's answer window and PEER_LOST_AFTER after the freeze: a message that
+    # comes (and is lost) late has its probe under way sooner.
+    answer_window = PEER_LOST_AFTER - KEEPALIVE_PING_INTERVAL_S
+    assert answer_window - 1 < took < PEER_LOST_AFTER + 10, (took, frozen[0] - started)
+    assert (stats.requests_live, stats.parts_live, stats.pool.used_bytes) == (0, 0, 0)

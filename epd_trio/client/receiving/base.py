@@ -8,8 +8,9 @@ asks them:
 - ``deliver_for(encoder_url)``: what a part's ``/encode`` tells its encoder
   (the ``deliver`` object: where this client can be reached, chosen per encoder
   and per attempt);
-- ``take(req, state, answer)``: what a part's 200 ``/encode`` answer means: its
-  payload (inline), the message it announces (pushed: waited for), or only its
+- ``take(req, state, answer, calls)``: what a part's 200 ``/encode`` answer means: its
+  payload (inline), the message it announces (pushed: waited for, its encoder
+  probed through ``calls`` while it is late), or only its
   size (``staged``: the encoder holds the part until ``gather`` fetches it);
 - ``gather(req, calls)``: every part taken, the request's result in one pool
   slot (``req.slot`` holds the slot until the result owns it);
@@ -114,7 +115,8 @@ class Receiver(ABC):
         """
 
     @abstractmethod
-    async def take(self, req: LiveRequest, state: PartState, answer: Answer) -> None:
+    async def take(self, req: LiveRequest, state: PartState, answer: Answer,
+                   calls: EncoderCalls) -> None:
         """Read a part's 200 ``/encode`` answer; raises an ``EPDError`` when it is wrong."""
 
     @abstractmethod

@@ -13,6 +13,7 @@ from typing import Any
 import trio
 
 from epd_trio.client.answers import Answer, inline_message
+from epd_trio.client.calls import EncoderCalls
 from epd_trio.client.receiving.base import CopyingReceiver
 from epd_trio.client.state import LiveRequest, PartState
 
@@ -25,7 +26,8 @@ class InlineReceiver(CopyingReceiver):
     async def deliver_for(self, encoder_url: str) -> dict[str, Any]:
         return {"backend": "inline"}
 
-    async def take(self, req: LiveRequest, state: PartState, answer: Answer) -> None:
+    async def take(self, req: LiveRequest, state: PartState, answer: Answer,
+                   calls: EncoderCalls) -> None:
         state.message = inline_message(answer, req.req_id, state.part, len(req.parts),
                                        state.encoder_url)
         state.finished = trio.current_time()

@@ -76,7 +76,8 @@ class MooncakeReceiver(Receiver):
         await check_session(self.routes, self._host, encoder_url)
         return {"backend": "mooncake"}
 
-    async def take(self, req: LiveRequest, state: PartState, answer: Answer) -> None:
+    async def take(self, req: LiveRequest, state: PartState, answer: Answer,
+                   calls: EncoderCalls) -> None:
         part = state.part
         meta, nbytes = parse_sized_meta(answer, req.req_id, part.part_idx, len(req.parts))
         check_sized_meta(meta, nbytes, part.modality, len(part.item_indices), state.encoder_url)

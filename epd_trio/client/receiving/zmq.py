@@ -4,8 +4,10 @@ The receiver owns the socket, the ``Demultiplexer`` task that hands each
 message to the part waiting for it, and the endpoints each encoder is told
 (``addresses.PullEndpoints``: bound on first need, on the route to that
 encoder). A part's ``/encode`` answer announces its message; the part is done
-when the message has come and matches the answer. An ``error`` message fails
-the request at once (the demultiplexer does). Payloads are copied into one slot
+when the message has come and matches the answer; while it is late, the
+encoder is asked whether it is alive (``liveness.wait_heard_from``), so a host
+lost after its answer fails the part within ``PEER_LOST_AFTER``, not at the
+deadline. An ``error`` message fails the request at once (the demultiplexer does). Payloads are copied into one slot
 (``CopyingReceiver``).
 """
 
@@ -18,7 +20,9 @@ import trio
 
 from epd_trio.client.addresses import PullEndpoints
 from epd_trio.client.answers import Answer, check_message, parse_meta
+from epd_trio.client.calls import EncoderCalls
 from epd_trio.client.demux import Demultiplexer
+from epd_trio.client.liveness import wait_heard_from
 from epd_trio.client.pool import EmbeddingPool
 from epd_trio.client.receiving.base import CopyingReceiver, ReceiverStatistics, Settle
 from epd_trio.client.state import LiveRequest, PartState
@@ -57,10 +61,14 @@ class ZmqReceiver(CopyingReceiver):
         assert self.addresses is not None, "the receiver is not open"
         return {"backend": "zmq", "endpoint": await self.addresses.endpoint_for(encoder_url)}
 
-    async def take(self, req: LiveRequest, state: PartState, answer: Answer) -> None:
+    async def take(self, req: LiveRequest, state: PartState, answer: Answer,
+                   calls: EncoderCalls) -> None:
         part = state.part
         meta = parse_meta(answer, req.req_id, part.part_idx, len(req.parts))
-        await state.arrived.wait()  # bounded by the request's deadline
+        url = state.encoder_url
+        # Bounded by the request's deadline, and by the encoder's silence while the message is late.
+        await wait_heard_from(state.arrived, lambda: calls.probe(url),
+                              f"request {req.req_id} part {part.part_idx}: the ZMQ message {url} announced")
         state.finished = trio.current_time()
         assert state.message is not None
         header = state.message[0]
