@@ -28,6 +28,7 @@ __all__ = ["EncoderCalls", "encoder_transport"]
 
 log = logging.getLogger(__name__)
 
+
 def encoder_transport() -> httpx.AsyncHTTPTransport:
     """httpx's transport with dead-peer detection on every connection (``liveness``)."""
     return httpx.AsyncHTTPTransport(socket_options=tcp_socket_options())

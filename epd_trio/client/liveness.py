@@ -64,7 +64,8 @@ def tcp_socket_options() -> list[tuple[int, int, int]]:
 
 
 async def wait_heard_from(arrived: trio.Event, probe: Callable[[], Awaitable[None]], what: str) -> None:
-    """Wait for ``arrived``; while it is late, ``probe`` the peer every ``KEEPALIVE_PING_INTERVAL_S``.
+    """Wait for ``arrived``; while it is late, ``probe`` the peer after ``KEEPALIVE_PING_INTERVAL_S``
+    and again that long after each answer.
 
     A probe not answered within the rest of ``PEER_LOST_AFTER`` (or that fails to
     reach the peer) raises ``PeerUnavailable``: the peer is given up on at most

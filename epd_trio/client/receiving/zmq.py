@@ -7,8 +7,8 @@ encoder). A part's ``/encode`` answer announces its message; the part is done
 when the message has come and matches the answer; while it is late, the
 encoder is asked whether it is alive (``liveness.wait_heard_from``), so a host
 lost after its answer fails the part within ``PEER_LOST_AFTER``, not at the
-deadline. An ``error`` message fails the request at once (the demultiplexer does). Payloads are copied into one slot
-(``CopyingReceiver``).
+deadline. An ``error`` message fails the request at once (the demultiplexer
+does). Payloads are copied into one slot (``CopyingReceiver``).
 """
 
 from __future__ import annotations
