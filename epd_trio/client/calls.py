@@ -112,10 +112,10 @@ class EncoderCalls:
             await self.grpc.probe(url)
             return
         try:
-            response = await self.probes.get(url + "/model_info")
+            async with self.probes.stream("GET", url + "/model_info") as response:  # its body is not read
+                log.debug("%s answered a probe (%d)", url, response.status_code)
         except httpx.TransportError as exc:
             raise PeerUnavailable(f"{url} did not answer: {exc!r}") from exc
-        log.debug("%s answered a probe (%d)", url, response.status_code)
 
     def _url(self, text: str) -> httpx.URL:
         url = self._urls.get(text)
